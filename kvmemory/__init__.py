@@ -1,0 +1,27 @@
+"""kvmemory: byte-exact, content-addressed KV-cache memory for frozen causal language models.
+
+    import kvmemory
+    with kvmemory.Memory("notes.kvm") as mem:   # opens or creates; embedded default model
+        state = mem.save("a prompt")            # -> State; state.id is its content address
+        again = mem.load(state.id)              # verified read
+        cache = again.cache()                   # transformers Cache, ready for model(...)
+
+Heavy dependencies (torch, transformers, zarr) load on first use of Memory.
+"""
+
+from kvmemory.errors import (InputError, KVMemoryError, ModelLoadError, ModelMismatchError, StateNotFoundError,
+                             StoreCorruptError, StoreError, StoreLockedError, StoreReadOnlyError, WindowExceededError)
+
+__version__ = "0.1.0"
+
+__all__ = ["InputError", "KVMemoryError", "Memory", "ModelLoadError", "ModelMismatchError", "State",
+           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreLockedError", "StoreReadOnlyError",
+           "WindowExceededError", "__version__"]
+
+
+def __getattr__(name):  # lazy: `import kvmemory` stays light
+    if name in ("Memory", "State", "StateInfo"):
+        from kvmemory import memory
+
+        return getattr(memory, name)
+    raise AttributeError(f"module 'kvmemory' has no attribute {name!r}")

@@ -1,0 +1,55 @@
+"""Typed errors. Every error kvmemory raises on purpose subclasses KVMemoryError."""
+
+from __future__ import annotations
+
+
+class KVMemoryError(Exception):
+    """Base class of every error kvmemory raises on purpose."""
+
+
+class InputError(KVMemoryError, ValueError):
+    """The caller passed something kvmemory cannot use (empty text, bad bytes, bad ids)."""
+
+
+class WindowExceededError(InputError):
+    """A sequence is longer than the model's positional window."""
+
+
+class ModelMismatchError(KVMemoryError):
+    """The store was written by a model whose fingerprint differs from the one in use."""
+
+    def __init__(self, store_fingerprint: str, model_fingerprint: str, path: str = "") -> None:
+        self.store_fingerprint = store_fingerprint
+        self.model_fingerprint = model_fingerprint
+        where = f" {path}" if path else ""
+        super().__init__(
+            f"store{where} belongs to model fingerprint {store_fingerprint}, but the model in use "
+            f"has fingerprint {model_fingerprint}; open it with the model that wrote it"
+        )
+
+
+class StoreError(KVMemoryError):
+    """The store cannot be opened or written (not a store, not a directory, ...)."""
+
+
+class StoreCorruptError(StoreError):
+    """Bytes read back do not match their digest, or a chunk/manifest cannot be decoded."""
+
+
+class StoreReadOnlyError(StoreError):
+    """A write was attempted on a store opened read-only."""
+
+
+class StoreLockedError(StoreError):
+    """Another writer holds the store's lock and did not release it in time."""
+
+
+class StateNotFoundError(KVMemoryError, KeyError):
+    """No committed state has the given id."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "state not found"
+
+
+class ModelLoadError(KVMemoryError):
+    """The model could not be loaded (missing package, bad directory, unsupported model)."""

@@ -1,0 +1,103 @@
+"""KV tensors: the canonical computation of blocks, and conversions cache <-> blocks <-> storage.
+
+Canonical computation: a sequence is prefilled in chunks aligned to absolute block
+boundaries (positions [i*C, (i+1)*C)), each chunk attending to the cache of everything
+before it. A block's KV bytes then depend only on its parent chain's KV and its own tokens,
+which is what makes E2 (recompute gives the same bytes) and prefix sharing sound: the same
+block computed after a shorter or longer tail is the same computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvmemory.model.fingerprint import KVGeometry
+
+_STORAGE_VIEW = {torch.bfloat16: torch.uint16}
+
+
+def to_storage(t: torch.Tensor) -> np.ndarray:
+    """Lossless numpy view of a KV tensor: bf16 as its raw 16-bit words."""
+    t = t.detach().contiguous().cpu()
+    view = _STORAGE_VIEW.get(t.dtype)
+    return (t.view(view) if view is not None else t).numpy()
+
+
+def from_storage(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(dtype) if dtype in _STORAGE_VIEW else t
+
+
+def cache_slice(cache, start: int, stop: int) -> torch.Tensor:
+    """KV of tokens [start, stop) of a batch-1 cache: returns kv [layers, 2, kv_heads, n, head_dim]."""
+    per_layer = []
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values          # [1, H, T, D]
+        per_layer.append(torch.stack((k[0, :, start:stop], v[0, :, start:stop])))
+    return torch.stack(per_layer)
+
+
+def make_cache(kv: torch.Tensor | None, config):
+    """A fresh transformers DynamicCache holding kv [layers, 2, kv_heads, T, head_dim] (copied)."""
+    from transformers import DynamicCache
+
+    if kv is None or kv.shape[3] == 0:
+        return DynamicCache(config=config)
+    # [H, T, D] -> [1, H, T, D]; DynamicLayer.update concatenates, so the cache owns a copy
+    return DynamicCache(ddp_cache_data=[(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])],
+                        config=config)
+
+
+@torch.inference_mode()
+def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=None, start: int = 0
+                   ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Canonical chunked prefill of token_ids placed at positions start...
+
+    `cache` holds exactly the `start` tokens before (None: start must be 0); it is extended
+    in place. start must be a multiple of block_tokens. Yields, per block,
+    (block_start, kv [layers, 2, kv_heads, n, head_dim], logits of the block's last token [vocab]).
+    """
+    from transformers import DynamicCache
+
+    if start % block_tokens:
+        raise ValueError(f"start {start} is not aligned to block_tokens {block_tokens}")
+    if cache is None:
+        if start:
+            raise ValueError("a non-zero start needs the cache of the tokens before it")
+        cache = DynamicCache(config=model.config)
+    if cache.get_seq_length() != start:
+        raise ValueError(f"cache holds {cache.get_seq_length()} tokens, start is {start}")
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long).unsqueeze(0)   # [1, T]
+    for s in range(0, ids.shape[1], block_tokens):
+        chunk = ids[:, s:s + block_tokens]
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True)
+        p = start + s
+        yield p, cache_slice(cache, p, p + chunk.shape[1]), out.logits[0, -1]
+
+
+def check_geometry(kv: torch.Tensor, geo: KVGeometry) -> None:
+    """Cheap guard against a silently wrong layout: kv [layers, 2, kv_heads, T, head_dim]."""
+    want = (geo.layers, 2, geo.kv_heads, geo.head_dim)
+    got = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4])
+    if got != want:
+        raise ValueError(f"kv shape {tuple(kv.shape)} does not match geometry {want} (layers, 2, heads, -, dim)")
+
+
+def truncate(cache, n: int) -> None:
+    """Drop every token past the first n of a DynamicCache (in place).
+
+    transformers' own `crop` changed meaning between 5.x releases; slicing the layers'
+    keys/values is the same operation, and the next update concatenates a fresh copy.
+    """
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., :n, :]
+        layer.values = layer.values[..., :n, :]
+
+
+def extend(cache, kv: torch.Tensor) -> None:
+    """Append kv [layers, 2, kv_heads, n, head_dim] to a DynamicCache (in place)."""
+    for i in range(kv.shape[0]):
+        cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)

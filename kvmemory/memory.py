@@ -1,0 +1,342 @@
+"""Memory: the public entry point. A store on disk plus the model whose KV it holds."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmemory import hashing, kv as kvops
+from kvmemory.config import RuntimeConfig, StoreConfig, from_env
+from kvmemory.errors import (InputError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError,
+                             WindowExceededError)
+from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry
+from kvmemory.model import fingerprint, geometry, load_model
+from kvmemory.store import BlockStore, NewBlock
+from kvmemory.store.info import describe
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    id: str
+    n_tokens: int
+    label: str
+    created: float
+
+
+class State:
+    """A restorable attention state: a chain of blocks from position 0.
+
+    id: content address (hex of the last block id). token_ids: the tokens it covers.
+    kv: [layers, 2, kv_heads, n_tokens, head_dim] in the model's dtype (verified on load).
+    """
+
+    def __init__(self, id: str, token_ids: list[int], kv: torch.Tensor, config, label: str = "") -> None:
+        self.id = id
+        self.token_ids = token_ids
+        self.kv = kv
+        self.label = label
+        self._config = config
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def cache(self):
+        """A new transformers DynamicCache holding this state; the model may extend it freely."""
+        return kvops.make_cache(self.kv, self._config)
+
+    def __repr__(self) -> str:
+        return f"State(id={self.id[:16]}…, n_tokens={self.n_tokens}, label={self.label!r})"
+
+
+class Memory:
+    """A KV memory store bound to one model.
+
+    Memory(path) opens the store at `path` or creates it (an empty or missing directory),
+    with the embedded default model. `model` may be a local transformers directory, a
+    loaded model (pass `tokenizer=` too) or a (model, tokenizer) tuple. Opening a store
+    written by a model with another fingerprint raises ModelMismatchError. A store whose
+    directory is not writable, or `read_only=True`, opens read-only: writes raise
+    StoreReadOnlyError. Use as a context manager or call close().
+    """
+
+    def __init__(self, path, model=None, *, tokenizer=None, store_config: StoreConfig | None = None,
+                 read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.path = Path(path)
+        self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir)
+        exists = _check_path(self.path, read_only)
+        if exists and not read_only and not os.access(self.path, os.W_OK):
+            read_only = True
+        self.model, self.tokenizer, self.model_name = load_model(
+            model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(), dtype=dtype)
+        self.geometry = geometry(self.model)
+        self.fingerprint = fingerprint(self.model)
+        if exists:
+            self.store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s)
+            if self.store.manifest.fingerprint != self.fingerprint:
+                raise ModelMismatchError(self.store.manifest.fingerprint, self.fingerprint, str(self.path))
+        else:
+            cfg = store_config or from_env(StoreConfig)
+            g = self.geometry
+            self.store = BlockStore.create(self.path, Manifest(
+                fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
+                codec=cfg.codec, kv_dtype=g.dtype,
+                model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
+                       "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope}),
+                lock_timeout_s=self.runtime.lock_timeout_s)
+        self._dtype = getattr(torch, self.geometry.dtype)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self.store = None
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def block_tokens(self) -> int:
+        return self._store().manifest.block_tokens
+
+    def _store(self) -> BlockStore:
+        if self.store is None:
+            raise StoreError(f"memory {self.path} is closed")
+        return self.store
+
+    # ------------------------------------------------------------------ input
+    def tokenize(self, text_or_ids) -> list[int]:
+        """Token ids of a prompt: str (UTF-8 text), bytes (must decode as UTF-8) or a list of ids."""
+        if isinstance(text_or_ids, (bytes, bytearray)):
+            try:
+                text_or_ids = bytes(text_or_ids).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"input is not UTF-8 text: byte 0x{text_or_ids[e.start]:02x} at offset {e.start}") from None
+        if isinstance(text_or_ids, str):
+            if not text_or_ids.strip():
+                raise InputError("input text is empty")
+            ids = self.tokenizer(text_or_ids, add_special_tokens=False)["input_ids"]
+        else:
+            try:
+                ids = [int(i) for i in text_or_ids]
+            except (TypeError, ValueError):
+                raise InputError(f"expected text or a list of token ids, got {type(text_or_ids).__name__}") from None
+            vocab = self.model.get_input_embeddings().num_embeddings
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise InputError(f"token ids must be in 0..{vocab - 1}; got {bad[:5]}")
+        if not ids:
+            raise InputError("input has no tokens")
+        return ids
+
+    def _check_window(self, n: int, what: str) -> None:
+        if n > self.geometry.max_positions:
+            raise WindowExceededError(
+                f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
+                "split it, or deposit it as a document")
+
+    # ------------------------------------------------------------------ states
+    def save(self, text_or_ids, label: str = "") -> State:
+        """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
+
+        Blocks already in the store (equal prefixes) are read back, verified, and not
+        recomputed. The commit is atomic: a crash leaves the store at its previous commit.
+        """
+        store = self._store()
+        ids = self.tokenize(text_or_ids)
+        self._check_window(len(ids), "the state")
+        C = store.manifest.block_tokens
+        chain = hashing.chain_ids(self.fingerprint, ids, C)
+        store.refresh()
+        have = 0
+        while have < len(chain) and store.row_of(chain[have]) is not None:
+            have += 1
+        prefix = self._read_chain([store.row_of(b) for b in chain[:have]])
+        computed: dict[int, torch.Tensor] = {}
+        if have < len(chain):
+            cache = kvops.make_cache(prefix, self.model.config)
+            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
+                computed[p // C] = block_kv
+        state_id = chain[-1].hex()
+
+        def build(s: BlockStore):
+            new, parent_row = [], -1
+            for i, bid in enumerate(chain):
+                row = s.row_of(bid)
+                if row is None:  # another writer may have committed it meanwhile: then reuse
+                    row = s.manifest.n_blocks + len(new)
+                    blk = computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C]
+                    new.append(NewBlock(bid, parent_row, ids[i * C:(i + 1) * C],
+                                        range(i * C, i * C + len(ids[i * C:(i + 1) * C])), kvops.to_storage(blk)))
+                parent_row = row
+            if not new and state_id in s.manifest.states and not label:
+                return [], {}
+            return new, {state_id: StateEntry(last_row=parent_row, n_tokens=len(ids), label=label, created=time.time())}
+
+        store.commit(build)
+        parts = [prefix] + [computed[i] for i in sorted(computed)]
+        kv = torch.cat(parts, dim=3) if len(parts) > 1 else prefix
+        return State(state_id, ids, kv, self.model.config, label)
+
+    def _read_chain(self, rows: list[int]) -> torch.Tensor:
+        """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""
+        return kvops.from_storage(self._store().read_state_kv(rows), self._dtype)
+
+    def resolve(self, state_id: str) -> str:
+        """Full id of a committed state given its id or a unique prefix of >= 8 hex digits."""
+        store = self._store()
+        store.refresh()
+        if not isinstance(state_id, str) or not state_id:
+            raise InputError(f"a state id is a hex string, got {state_id!r}")
+        states = store.manifest.states
+        if state_id in states:
+            return state_id
+        if len(state_id) >= 8:
+            hits = [s for s in states if s.startswith(state_id.lower())]
+            if len(hits) == 1:
+                return hits[0]
+            if len(hits) > 1:
+                raise InputError(f"state id prefix {state_id} is ambiguous: {len(hits)} states match")
+        raise StateNotFoundError(f"no state {state_id} in store {self.path}")
+
+    def load(self, state_id: str) -> State:
+        """Verified read of a committed state: every block digest-checked, ids re-derived."""
+        store = self._store()
+        sid = self.resolve(state_id)
+        entry = store.manifest.states[sid]
+        rows = store.chain(entry.last_row)
+        meta = store.block_meta(rows)
+        ids: list[int] = []
+        for toks, n in zip(meta["tokens"], meta["n_tokens"]):
+            ids.extend(int(t) for t in toks[:n])
+        # the chain's ids are hashes of its tokens: a damaged token array cannot pass this
+        expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens)
+        if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
+            raise StoreCorruptError(f"store {self.path}: state {sid}'s block ids do not match its tokens")
+        return State(sid, ids, self._read_chain(rows), self.model.config, entry.label)
+
+    def states(self) -> list[StateInfo]:
+        store = self._store()
+        store.refresh()
+        return [StateInfo(k, v.n_tokens, v.label, v.created) for k, v in
+                sorted(store.manifest.states.items(), key=lambda kv: kv[1].created)]
+
+    # ------------------------------------------------------------------ generation
+    def chat_turn(self, text: str) -> str:
+        """The chat-template text of one user turn followed by the assistant's opening."""
+        t = self.tokenizer
+        sys_msg = [{"role": "system", "content": "x"}]
+        full = t.apply_chat_template(sys_msg + [{"role": "user", "content": text}], tokenize=False,
+                                     add_generation_prompt=True)
+        head = t.apply_chat_template(sys_msg, tokenize=False)
+        return full[len(head):]
+
+    def system_prompt(self, text: str) -> str:
+        """The chat-template text of a system prompt: save() it, then generate(..., chat=True)."""
+        return self.tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False)
+
+    @torch.inference_mode()
+    def generate(self, state, prompt, max_new_tokens: int = 64, chat: bool = False) -> str:
+        """Greedy continuation of a state (State or id) after `prompt` (text or token ids).
+
+        chat=True wraps prompt as a user turn of the model's chat template.
+        """
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        st = state if isinstance(state, State) else self.load(state)
+        ids = self.tokenize(self.chat_turn(prompt) if chat and isinstance(prompt, str) else prompt)
+        self._check_window(st.n_tokens + len(ids) + max_new_tokens, "state + prompt + max_new_tokens")
+        cache = st.cache()
+        out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        eos = _eos_ids(self.tokenizer, self.model)
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            if nxt in eos:
+                break
+            new.append(nxt)
+            out = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ maintenance
+    def info(self, with_states: bool = False) -> dict:
+        """Model, fingerprint, states, blocks, KV bytes, bytes on disk, compression ratio."""
+        store = self._store()
+        store.refresh()
+        return describe(store, with_states)
+
+    @torch.inference_mode()
+    def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
+        """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
+        store = self._store()
+        store.refresh()
+        checked = store.verify_all(None if recompute else progress)
+        if not recompute:
+            return checked
+        n = store.manifest.n_blocks
+        meta = store.block_meta(range(n))
+        children: dict[int, list[int]] = {}
+        for row in range(n):
+            children.setdefault(int(meta["parent"][row]), []).append(row)
+        bad = list(checked)
+        e1_bad = {row for row, _ in checked}
+        cache = kvops.make_cache(None, self.model.config)
+        stack = [(r, 0) for r in reversed(children.get(-1, []))]   # (row, tokens before it)
+        while stack:
+            row, before = stack.pop()
+            if before:
+                kvops.truncate(cache, before)
+            else:
+                cache = kvops.make_cache(None, self.model.config)
+            k = int(meta["n_tokens"][row])
+            name = meta["block_id"][row].tobytes().hex()
+            toks = [int(t) for t in meta["tokens"][row][:k]]
+            pos = meta["positions"][row][:k]
+            if list(pos) != list(range(before, before + k)):
+                bad.append((row, f"block {name}: positions are not {before}..{before + k - 1}"))
+                continue
+            # blocks start on multiples of C (only a state's last block is partial)
+            _, fresh, _ = next(kvops.prefill_blocks(self.model, toks, store.manifest.block_tokens, cache, before))
+            try:
+                stored = self._read_chain([row])
+            except StoreError:            # reported by E1 above; descendants continue from the recomputed KV
+                stored = None
+            if stored is not None and row not in e1_bad and not torch.equal(fresh, stored):
+                bad.append((row, f"block {name} (row {row}): recomputed KV differs from the stored bytes"))
+                kvops.truncate(cache, before)
+                kvops.extend(cache, stored)   # descendants are checked against the stored truth
+            if progress is not None:
+                progress.update(1)
+            stack.extend((c, before + k) for c in reversed(children.get(row, [])))
+        return bad
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = set()
+    for v in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def _check_path(path: Path, read_only: bool) -> bool:
+    """True if a store exists at path; raise if path cannot be (or must not be made) a store."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{path} is a file, not a store directory")
+    if (path / MANIFEST_NAME).is_file():
+        return True
+    if read_only:
+        raise StoreError(f"no kvmemory store at {path} (no {MANIFEST_NAME})")
+    if path.exists() and any(path.iterdir()):
+        raise StoreError(f"{path} exists and is not a kvmemory store (no {MANIFEST_NAME}); "
+                         "refusing to write into it")
+    return False
+

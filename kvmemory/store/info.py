@@ -1,0 +1,27 @@
+"""What a store holds, read from its manifest and arrays; no model needed."""
+
+from __future__ import annotations
+
+from kvmemory.store.zarr_store import BlockStore
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def describe(store: BlockStore, with_states: bool = False) -> dict:
+    m = store.manifest
+    per_token = m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * _ITEMSIZE[m.kv_dtype]
+    tokens = int(store.block_meta(range(m.n_blocks))["n_tokens"].sum()) if m.n_blocks else 0
+    disk = store.disk_bytes()
+    out = {"path": str(store.root), "model": m.model["name"], "fingerprint": m.fingerprint,
+           "states": len(m.states), "blocks": m.n_blocks, "block_tokens": m.block_tokens, "codec": m.codec,
+           "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
+           "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
+           "commit": m.commit}
+    if with_states:
+        out["state_list"] = [{"id": k, "n_tokens": v.n_tokens, "label": v.label, "created": v.created}
+                             for k, v in sorted(m.states.items(), key=lambda kv: kv[1].created)]
+    return out
+
+
+def store_info(path, with_states: bool = False) -> dict:
+    return describe(BlockStore.open(path), with_states)

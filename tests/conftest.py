@@ -1,0 +1,80 @@
+"""Shared fixtures: the real default model (loaded once), tiny random models of the same
+architecture for fast plumbing tests, and a fresh random seed per run (printed, and
+reproducible with KVMEMORY_TEST_SEED)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from kvmemory.config import RuntimeConfig, from_env  # noqa: E402
+from kvmemory.model import default_model_dir, load_model  # noqa: E402
+
+SEED = int(os.environ.get("KVMEMORY_TEST_SEED") or random.SystemRandom().randrange(2**31))
+
+
+def pytest_report_header(config):
+    return f"kvmemory test seed: {SEED} (reproduce with KVMEMORY_TEST_SEED={SEED})"
+
+
+@pytest.fixture
+def rng():
+    return random.Random(SEED)
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return from_env(RuntimeConfig).resolved_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def default_dir(cache_dir) -> Path:
+    """The converted default model (converted once per machine, then cached)."""
+    return default_model_dir(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def real_model(default_dir, cache_dir):
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct in fp32."""
+    model, tok, _ = load_model(default_dir, cache_dir=cache_dir)
+    return model, tok
+
+
+def make_tiny(tokenizer, seed: int, layers: int = 2):
+    """A random-weight Llama with the default model's vocabulary and RoPE, in miniature."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                      rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, real_model) -> Path:
+    """A local transformers directory with a tiny random model and the real tokenizer."""
+    _, tok = real_model
+    d = tmp_path_factory.mktemp("tiny-model")
+    make_tiny(tok, seed=1).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir, cache_dir):
+    model, tok, _ = load_model(tiny_dir, cache_dir=cache_dir)
+    return model, tok
+
+
+@pytest.fixture
+def store_path(tmp_path) -> Path:
+    return tmp_path / "s.kvm"

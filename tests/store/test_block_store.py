@@ -1,0 +1,236 @@
+"""BlockStore with synthetic KV bytes: round trip (E1), corruption, crashes, locks, read-only."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvmemory import hashing
+from kvmemory import kv as kvops
+from kvmemory.errors import StoreCorruptError, StoreError, StoreLockedError, StoreReadOnlyError
+from kvmemory.manifest import Manifest, StateEntry, read_manifest
+from kvmemory.store import BlockStore, NewBlock
+
+L, H, C, D = 2, 2, 4, 3
+
+
+def make_store(path, kv_dtype="float32", codec="none", shard_blocks=2, timeout=5.0):
+    m = Manifest(fingerprint="kvm1-test", block_tokens=C, shard_blocks=shard_blocks, codec=codec, kv_dtype=kv_dtype,
+                 model={"name": "synthetic", "layers": L, "kv_heads": H, "head_dim": D, "max_positions": 64})
+    return BlockStore.create(path, m, lock_timeout_s=timeout)
+
+
+def random_state(gen, n_tokens, dtype=torch.float32):
+    tokens = [int(t) for t in torch.randint(0, 1000, (n_tokens,), generator=gen)]
+    return tokens, torch.randn((L, 2, H, n_tokens, D), generator=gen).to(dtype)
+
+
+def commit_state(store, tokens, kv, label=""):
+    """Commit a state the way Memory.save does: reuse known blocks, append the rest."""
+    ids = hashing.chain_ids(store.manifest.fingerprint, tokens, C)
+
+    def build(s):
+        new, parent = [], -1
+        for i, bid in enumerate(ids):
+            row = s.row_of(bid)
+            if row is None:
+                row = s.manifest.n_blocks + len(new)
+                toks = tokens[i * C:(i + 1) * C]
+                new.append(NewBlock(bid, parent, np.array(toks), np.arange(i * C, i * C + len(toks)),
+                                    kvops.to_storage(kv[:, :, :, i * C:(i + 1) * C])))
+            parent = row
+        return new, {ids[-1].hex(): StateEntry(last_row=parent, n_tokens=len(tokens), label=label)}
+
+    store.commit(build)
+    return ids[-1].hex()
+
+
+def read_state(store, sid, dtype=torch.float32):
+    """The store's read path must agree byte for byte with zarr-python reading the same arrays."""
+    rows = store.chain(store.manifest.states[sid].last_row)
+    got = kvops.from_storage(store.read_state_kv(rows), dtype)
+    n = store.block_meta(rows)["n_tokens"]
+    via_zarr = torch.cat([kvops.from_storage(store._arr["kv"][r], dtype)[:, :, :, :int(n[i])]
+                          for i, r in enumerate(rows)], dim=3)
+    assert torch.equal(got.contiguous().view(-1).view(torch.uint8), via_zarr.contiguous().view(-1).view(torch.uint8))
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_round_trip_is_byte_exact(tmp_path, dtype, codec):
+    gen = torch.Generator().manual_seed(0)
+    store = make_store(tmp_path / "s", kv_dtype=str(dtype).removeprefix("torch."), codec=codec)
+    states = {}
+    for n in (1, 3, 4, 5, 9, 16):           # partial, exact and multi-block lengths
+        tokens, kv = random_state(gen, n, dtype)
+        kv[0, 0, 0, 0, 0] = float("nan")     # odd bit patterns must survive too
+        states[commit_state(store, tokens, kv)] = kv
+    again = BlockStore.open(tmp_path / "s")   # a fresh reader: everything from disk
+    for sid, kv in states.items():
+        got = read_state(again, sid, dtype)
+        assert got.dtype == dtype
+        # compare raw words: NaN != NaN as floats, but the bytes must be equal
+        assert torch.equal(got.contiguous().view(-1).view(torch.uint8), kv.contiguous().view(-1).view(torch.uint8))
+    assert again.verify_all() == []
+
+
+def test_equal_prefixes_share_blocks(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    store = make_store(tmp_path / "s")
+    tokens, kv = random_state(gen, 10)
+    commit_state(store, tokens[:9], kv[:, :, :, :9])
+    assert store.n_blocks == 3                      # 4 + 4 + 1
+    commit_state(store, tokens, kv)
+    assert store.n_blocks == 4                      # shares the two full blocks, adds [8, 9]
+    assert len(store.manifest.states) == 2
+
+
+def _kv_shard_files(root):
+    return sorted(p for p in (root / "data" / "kv").rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_flipped_byte_raises_naming_block(tmp_path, codec):
+    gen = torch.Generator().manual_seed(2)
+    store = make_store(tmp_path / "s", codec=codec)
+    tokens, kv = random_state(gen, 8)
+    sid = commit_state(store, tokens, kv)
+    shard = _kv_shard_files(tmp_path / "s")[0]
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0x01                                # inside the first block's data
+    shard.write_bytes(bytes(data))
+    fresh = BlockStore.open(tmp_path / "s")
+    first_id = hashing.chain_ids("kvm1-test", tokens, C)[0].hex()
+    with pytest.raises(StoreCorruptError, match=first_id if codec == "none" else "block|cannot read"):
+        read_state(fresh, sid)
+    bad = fresh.verify_all()
+    assert bad and bad[0][0] == 0
+
+
+def test_missing_or_truncated_shard_raises(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    store = make_store(tmp_path / "s")
+    tokens, kv = random_state(gen, 8)
+    sid = commit_state(store, tokens, kv)
+    shard = _kv_shard_files(tmp_path / "s")[0]
+    shard.write_bytes(shard.read_bytes()[:50])
+    with pytest.raises(StoreCorruptError):
+        read_state(BlockStore.open(tmp_path / "s"), sid)
+    shard.unlink()                                  # zarr would return fill values: the digest catches it
+    with pytest.raises(StoreCorruptError):
+        read_state(BlockStore.open(tmp_path / "s"), sid)
+
+
+def test_crash_before_manifest_keeps_last_commit(tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    store = make_store(tmp_path / "s")
+    t1, kv1 = random_state(gen, 6)
+    sid1 = commit_state(store, t1, kv1)
+    import kvmemory.store.zarr_store as zs
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("simulated crash after data, before manifest")
+    monkeypatch.setattr(zs, "write_manifest", crash)
+    t2, kv2 = random_state(gen, 7)
+    with pytest.raises(KeyboardInterrupt):
+        commit_state(store, t2, kv2)
+    monkeypatch.undo()
+    reopened = BlockStore.open(tmp_path / "s", read_only=False)
+    assert reopened.n_blocks == 2 and list(reopened.manifest.states) == [sid1]
+    assert torch.equal(read_state(reopened, sid1), kv1)
+    # leftover rows past the commit are overwritten by the next writer
+    t3, kv3 = random_state(gen, 5)
+    sid3 = commit_state(reopened, t3, kv3)
+    assert torch.equal(read_state(BlockStore.open(tmp_path / "s"), sid3), kv3)
+    assert BlockStore.open(tmp_path / "s").verify_all() == []
+
+
+def test_reader_sees_other_writers_commits_after_refresh(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    writer = make_store(tmp_path / "s")
+    reader = BlockStore.open(tmp_path / "s")
+    t, kv = random_state(gen, 9)
+    sid = commit_state(writer, t, kv)
+    assert sid not in reader.manifest.states
+    reader.refresh()
+    assert torch.equal(read_state(reader, sid), kv)
+
+
+def test_read_only_store_refuses_writes_and_changes_nothing(tmp_path):
+    gen = torch.Generator().manual_seed(6)
+    store = make_store(tmp_path / "s")
+    t, kv = random_state(gen, 5)
+    commit_state(store, t, kv)
+    before = (tmp_path / "s" / "manifest.json").read_bytes()
+    ro = BlockStore.open(tmp_path / "s", read_only=True)
+    with pytest.raises(StoreReadOnlyError):
+        commit_state(ro, *random_state(gen, 3))
+    assert (tmp_path / "s" / "manifest.json").read_bytes() == before
+
+
+def test_open_rejects_file_and_non_store(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StoreError, match="is a file"):
+        BlockStore.open(f)
+    with pytest.raises(StoreError, match="no kvmemory store"):
+        BlockStore.open(tmp_path)
+
+
+HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from kvmemory.store.lock import writer_lock
+    with writer_lock(Path(sys.argv[1]), 5):
+        print("locked", flush=True)
+        time.sleep(float(sys.argv[2]))
+""")
+
+
+def _hold_lock(root, seconds):
+    p = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_second_writer_gets_clear_error_when_lock_is_held(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    store = make_store(tmp_path / "s", timeout=0.3)
+    holder = _hold_lock(tmp_path / "s", 3)
+    try:
+        with pytest.raises(StoreLockedError, match="locked by another writer"):
+            commit_state(store, *random_state(gen, 3))
+        assert store.n_blocks == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_second_writer_waits_for_the_lock(tmp_path):
+    gen = torch.Generator().manual_seed(8)
+    store = make_store(tmp_path / "s", timeout=10)
+    holder = _hold_lock(tmp_path / "s", 0.7)
+    t0 = time.monotonic()
+    t, kv = random_state(gen, 3)
+    sid = commit_state(store, t, kv)
+    holder.wait()
+    assert time.monotonic() - t0 >= 0.3
+    assert torch.equal(read_state(BlockStore.open(tmp_path / "s"), sid), kv)
+
+
+def test_damaged_tokens_are_caught_by_id_check(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    store = make_store(tmp_path / "s")
+    t, kv = random_state(gen, 9)
+    commit_state(store, t, kv)
+    arr = __import__("zarr").open_array(str(tmp_path / "s" / "data" / "tokens"), mode="r+")
+    row = arr[1]
+    row[0] += 1
+    arr[1] = row
+    bad = BlockStore.open(tmp_path / "s").verify_all()
+    assert [r for r, _ in bad] == [1] and "does not match" in bad[0][1]

@@ -1,0 +1,114 @@
+"""The `kvmemory` command line, run as a real subprocess: help, exit codes, messages."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SUBCOMMANDS = ["save", "generate", "info", "verify", "demo"]
+
+
+def run(*args, stdin=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], input=stdin,
+                          capture_output=True, timeout=timeout)
+
+
+def test_top_level_help_lists_every_command():
+    r = run("--help")
+    assert r.returncode == 0
+    out = r.stdout.decode()
+    for c in SUBCOMMANDS:
+        assert c in out
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_every_subcommand_explains_itself(cmd):
+    r = run(cmd, "--help")
+    assert r.returncode == 0 and b"usage: kvmemory " + cmd.encode() in r.stdout
+    assert len(r.stdout.decode().splitlines()) > 4
+
+
+@pytest.mark.parametrize("args", [[], ["frobnicate"], ["save"], ["verify"], ["generate", "s", "id"],
+                                  ["generate", "s", "id", "p", "--max-new-tokens", "many"]])
+def test_usage_errors_exit_2(args):
+    r = run(*args)
+    assert r.returncode == 2 and b"usage:" in r.stderr
+
+
+def _one_line_error(r):
+    assert r.returncode == 1, r.stderr
+    err = r.stderr.decode().strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and "error:" in err
+    return err
+
+
+def test_runtime_errors_exit_1_with_one_line(tmp_path):
+    assert "no kvmemory store" in _one_line_error(run("info", tmp_path / "nope"))
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "is a file" in _one_line_error(run("verify", f))
+
+
+def test_save_generate_info_verify_round_trip(tmp_path, tiny_dir):
+    store = tmp_path / "cli.kvm"
+    text = tmp_path / "prompt.txt"
+    text.write_text("The lighthouse keeper wrote in the log every night. " * 30)
+    r = run("save", store, text, "--model", tiny_dir, "--label", "lighthouse")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.decode().strip()
+    assert len(sid) == 32
+    r2 = run("save", store, "-", "--model", tiny_dir, stdin=text.read_bytes())
+    assert r2.stdout.decode().strip() == sid                 # same text, same content address
+    r = run("generate", store, sid[:12], "And then", "--model", tiny_dir, "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run("info", store, "--json", "--states").stdout)
+    assert info["states"] == 1 and info["blocks"] >= 2 and info["state_list"][0]["label"] == "lighthouse"
+    assert info["kv_bytes"] > 0 and info["disk_bytes"] > 0 and info["compression_ratio"] > 0
+    human = run("info", store).stdout.decode()
+    assert "fingerprint" in human and "compression_ratio" in human
+    r = run("verify", store)
+    assert r.returncode == 0 and b"passed" in r.stdout
+    r = run("verify", store, "--recompute", "--model", tiny_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_verify_names_every_bad_block(tmp_path, tiny_dir):
+    store = tmp_path / "bad.kvm"
+    text = tmp_path / "p.txt"
+    text.write_text("Numbers: " + " ".join(str(i) for i in range(900)))
+    assert run("save", store, text, "--model", tiny_dir).returncode == 0
+    n_blocks = json.loads(run("info", store, "--json").stdout)["blocks"]
+    assert n_blocks >= 3
+    shard = sorted(p for p in (store / "data" / "kv").rglob("*") if p.is_file() and p.name != "zarr.json")[0]
+    data = bytearray(shard.read_bytes())
+    block_bytes = len(data) // 4            # shards hold 4 blocks; flip a byte in blocks 0 and 1
+    data[10] ^= 1
+    data[block_bytes + 10] ^= 1
+    shard.write_bytes(bytes(data))
+    for extra in ([], ["--recompute", "--model", tiny_dir]):
+        r = run("verify", store, *extra)
+        assert r.returncode == 1
+        bad = [line for line in r.stdout.decode().splitlines() if line.startswith("BAD")]
+        assert len(bad) >= 2, r.stdout
+
+
+def test_bad_input_files(tmp_path, tiny_dir):
+    store = tmp_path / "in.kvm"
+    binary = tmp_path / "bin"
+    binary.write_bytes(b"\x00\xff\xfe\x80 not utf-8")
+    assert "not UTF-8" in _one_line_error(run("save", store, binary, "--model", tiny_dir))
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert "empty" in _one_line_error(run("save", store, empty, "--model", tiny_dir))
+    assert "cannot read" in _one_line_error(run("save", store, tmp_path / "missing.txt", "--model", tiny_dir))
+    assert "no state" in _one_line_error(run("generate", store, "0" * 32, "hi", "--model", tiny_dir))
+
+
+@pytest.mark.real_model
+def test_demo_runs_and_reports_bit_exact(tmp_path, default_dir):
+    r = run("demo", "--store", tmp_path / "demo.kvm")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    out = r.stdout.decode()
+    rows = [line for line in out.splitlines() if "handbook" in line or "system prompt" in line]
+    assert len(rows) >= 3 and all(" True " in line for line in rows[:3])
