@@ -63,6 +63,46 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--recompute", action="store_true", help="also recompute every block with the model (slow)")
     model_arg(sp)
 
+    sp = add("add", "deposit documents: prefill once, store every block, index it",
+             "Deposit each FILE as a document (its file name is the doc id): computed once in segments behind a "
+             "fixed prelude, stored as blocks and indexed for selection. Shows progress with tokens/s on a terminal. "
+             "A document becomes visible only when complete; re-running an interrupted add resumes it.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("files", metavar="FILE", nargs="+", help="UTF-8 text files")
+    sp.add_argument("--segment-blocks", type=int, default=None, metavar="N",
+                    help="blocks per segment (default 4 = 1,024 tokens)")
+    model_arg(sp)
+
+    sp = add("ask", "answer a question from the deposited documents",
+             "Select the blocks most relevant to QUESTION, graft them into a fixed-size window in document order "
+             "and answer. Prints the answer, then the sources (doc id, token range, score) and timings.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("question", metavar="QUESTION")
+    sp.add_argument("--top-k", type=int, default=8, metavar="N", help="blocks to graft (default 8)")
+    sp.add_argument("--selector", choices=["text", "keys"], default="text",
+                    help="text: MiniLM embeddings (default); keys: the model's own keys")
+    sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
+    sp.add_argument("--json", action="store_true", help="print answer, sources and stats as JSON")
+    model_arg(sp)
+
+    sp = add("docs", "list deposited documents", "List the store's documents: id, tokens, blocks, source.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--json", action="store_true")
+
+    sp = add("rm", "remove a document and its vectors",
+             "Remove DOC_ID from the store's document table and its vectors from the index. Its blocks stay on "
+             "disk, unreferenced.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("doc_id", metavar="DOC_ID")
+    model_arg(sp)
+
+    sp = add("reindex", "rebuild the FAISS indexes from the store",
+             "Recompute every document block's selection vectors from the store and rewrite the index files "
+             "(they are derived data).")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--selector", choices=["text", "keys"], default=None, help="only this selector")
+    model_arg(sp)
+
     sp = add("demo", "save real states, restore them, show bit-exactness and restore-vs-recompute time",
              "Save a few real prompts with the default model, restore them from disk, check that the next-token "
              "logits are bit-identical to a fresh computation, and time restore against recompute.")
@@ -165,7 +205,67 @@ def cmd_demo(args) -> int:
     return run_demo(args.store)
 
 
-COMMANDS = {"save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "demo": cmd_demo}
+def _open_docs(args):
+    from kvmemory.memory import Memory
+
+    return Memory(args.store, model=getattr(args, "model", None), segment_blocks=getattr(args, "segment_blocks", None))
+
+
+def cmd_add(args) -> int:
+    with _open_docs(args) as mem:
+        for info in mem.add_files(args.files, progress=True):
+            print(f"added {info.doc_id}: {info.n_tokens} tokens, {info.blocks} blocks, {info.segments} segments")
+    return 0
+
+
+def cmd_ask(args) -> int:
+    with _open(args, read_only=False) as mem:
+        ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens)
+    if args.json:
+        print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
+        return 0
+    print(ans.text)
+    print()
+    for doc, s, e, score in ans.sources:
+        print(f"  {doc}  tokens {s}..{e}  score {score:.3f}")
+    st = ans.stats
+    t = st["timings_s"]
+    print(f"\n{st['tokens_restored']} tokens restored ({st['exact_slots']} blocks exact, {st['rerotated_slots']} "
+          f"re-rotated), {st['tokens_prefilled']} prefilled; blocks from disk {st['blocks_from']['disk']}, host "
+          f"{st['blocks_from']['host']}; TTFT {t['ttft']:.3f} s (select {t['select']:.3f}, page-in "
+          f"{t['page_in_and_graft']:.3f}, first token {t['first_token']:.3f}); store {st['store_tokens']} tokens")
+    return 0
+
+
+def cmd_docs(args) -> int:
+    from kvmemory.store import BlockStore
+
+    m = BlockStore.open(args.store).manifest
+    rows = [{"doc_id": k, "n_tokens": d.n_tokens, "blocks": len(d.rows), "segments": d.segments, "source": d.source}
+            for k, d in sorted(m.docs.items(), key=lambda kv: kv[1].created)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    for r in ([] if args.json else rows):
+        print(f"{r['doc_id']}\t{r['n_tokens']} tokens\t{r['blocks']} blocks\t{r['source']}")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    with _open(args) as mem:
+        mem.remove(args.doc_id)
+    print(f"removed {args.doc_id}")
+    return 0
+
+
+def cmd_reindex(args) -> int:
+    with _open(args) as mem:
+        mem.reindex(args.selector, progress=True)
+        print(f"reindexed {len(mem.documents.live_rows())} blocks")
+    return 0
+
+
+COMMANDS = {"save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "add": cmd_add,
+            "ask": cmd_ask, "docs": cmd_docs, "rm": cmd_rm, "reindex": cmd_reindex, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,14 +43,20 @@ class RuntimeConfig:
 
     lock_timeout_s: how long a writer waits for another writer's lock before StoreLockedError.
     cache_dir: where converted model weights are cached (default: the user cache directory).
+    host_cache_bytes: byte budget of the pager's host-RAM tier (LRU of recently used blocks).
+    gpu_cache_bytes: byte budget of the GPU block pool tier (used only when CUDA is present).
     """
 
     lock_timeout_s: float = 30.0
     cache_dir: Path | None = None
+    host_cache_bytes: int = 2 << 30
+    gpu_cache_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         if self.lock_timeout_s < 0:
             raise InputError(f"lock_timeout_s must be >= 0, got {self.lock_timeout_s}")
+        if self.host_cache_bytes < 0 or self.gpu_cache_bytes < 0:
+            raise InputError("cache byte budgets must be >= 0")
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:
@@ -66,6 +72,8 @@ _ENV = {
     "KVMEMORY_CODEC": ("codec", str),
     "KVMEMORY_LOCK_TIMEOUT": ("lock_timeout_s", float),
     "KVMEMORY_CACHE_DIR": ("cache_dir", Path),
+    "KVMEMORY_HOST_CACHE_BYTES": ("host_cache_bytes", int),
+    "KVMEMORY_GPU_CACHE_BYTES": ("gpu_cache_bytes", int),
 }
 
 

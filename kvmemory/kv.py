@@ -57,13 +57,12 @@ def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=Non
     """Canonical chunked prefill of token_ids placed at positions start...
 
     `cache` holds exactly the `start` tokens before (None: start must be 0); it is extended
-    in place. start must be a multiple of block_tokens. Yields, per block,
+    in place. Blocks are cut every block_tokens from `start` (the end of the parent chain),
+    exactly as hashing.chain_ids cuts them. Yields, per block,
     (block_start, kv [layers, 2, kv_heads, n, head_dim], logits of the block's last token [vocab]).
     """
     from transformers import DynamicCache
 
-    if start % block_tokens:
-        raise ValueError(f"start {start} is not aligned to block_tokens {block_tokens}")
     if cache is None:
         if start:
             raise ValueError("a non-zero start needs the cache of the tokens before it")

@@ -30,6 +30,17 @@ class StateEntry:
 
 
 @dataclass
+class DocEntry:
+    """A deposited document: its content blocks in document order (prelude blocks excluded)."""
+
+    rows: list[int]
+    n_tokens: int
+    segments: int
+    source: str = ""
+    created: float = 0.0
+
+
+@dataclass
 class Manifest:
     fingerprint: str
     model: dict                    # name, layers, kv_heads, head_dim, dtype, max_positions, rope
@@ -40,6 +51,7 @@ class Manifest:
     n_blocks: int = 0              # committed rows in every data array
     commit: int = 0
     states: dict[str, StateEntry] = field(default_factory=dict)
+    docs: dict[str, DocEntry] = field(default_factory=dict)
     format: str = FORMAT
     version: int = FORMAT_VERSION
 
@@ -56,13 +68,15 @@ class Manifest:
                 raise StoreCorruptError(
                     f"{where} has format version {raw.get('version')}, this kvmemory reads {FORMAT_VERSION}")
             raw["states"] = {k: StateEntry(**v) for k, v in raw["states"].items()}
+            raw["docs"] = {k: DocEntry(**v) for k, v in raw.get("docs", {}).items()}
             m = cls(**raw)
         except StoreCorruptError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
-        if m.n_blocks < 0 or any(not (0 <= s.last_row < m.n_blocks) for s in m.states.values()):
-            raise StoreCorruptError(f"{where} is inconsistent: a state points past n_blocks={m.n_blocks}")
+        if m.n_blocks < 0 or any(not (0 <= s.last_row < m.n_blocks) for s in m.states.values()) \
+                or any(not (0 <= r < m.n_blocks) for d in m.docs.values() for r in d.rows):
+            raise StoreCorruptError(f"{where} is inconsistent: a state or document points past n_blocks={m.n_blocks}")
         return m
 
 

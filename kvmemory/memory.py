@@ -62,11 +62,13 @@ class Memory:
     written by a model with another fingerprint raises ModelMismatchError. A store whose
     directory is not writable, or `read_only=True`, opens read-only: writes raise
     StoreReadOnlyError. Use as a context manager or call close().
+
+    segment_blocks: blocks per deposit segment for add() (default 4: 1,024 tokens).
     """
 
     def __init__(self, path, model=None, *, tokenizer=None, store_config: StoreConfig | None = None,
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, segment_blocks: int | None = None) -> None:
         self.path = Path(path)
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir)
         exists = _check_path(self.path, read_only)
@@ -90,16 +92,105 @@ class Memory:
                        "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope}),
                 lock_timeout_s=self.runtime.lock_timeout_s)
         self._dtype = getattr(torch, self.geometry.dtype)
+        self._pager = None
+        self._documents = None
+        self._segment_blocks = segment_blocks
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self.store = None
+        self._pager = None
+        self._documents = None
 
     def __enter__(self) -> "Memory":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def pager(self):
+        """The tiered pager (host RAM LRU, GPU pool when the model is on CUDA) over this store."""
+        if self._pager is None:
+            from kvmemory.pager import Pager
+            self._pager = Pager(self._store(), self._dtype, self.runtime.host_cache_bytes,
+                                self.runtime.gpu_cache_bytes, self.model.device)
+        return self._pager
+
+    def _pager_forget(self, rows) -> None:
+        if self._pager is not None:
+            self._pager.forget(rows)
+
+    @property
+    def documents(self):
+        if self._documents is None:
+            from kvmemory.documents import SEGMENT_BLOCKS, Documents
+            self._documents = Documents(self, segment_blocks=self._segment_blocks or SEGMENT_BLOCKS)
+        return self._documents
+
+    # ------------------------------------------------------------------ documents
+    def add(self, text, doc_id: str | None = None, progress: bool = False, source: str = ""):
+        """Deposit a long document: prefill it once (segment by segment), store its blocks, index them.
+
+        text: str or UTF-8 bytes. doc_id: defaults to a hash of the text's tokens. Returns DocInfo.
+        Atomic: the document becomes visible only once complete; a re-run resumes an interrupted add.
+        """
+        self._store()
+        bar = _bar(progress, desc=f"add {doc_id or source or 'document'}")
+        try:
+            return self.documents.add(text, doc_id, source=source, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def add_files(self, paths, progress: bool = False) -> list:
+        """Deposit files; each file's name is its doc id. Checks every file before adding any."""
+        from kvmemory.documents import _check_doc_id
+        paths = [Path(p) for p in paths]
+        names = [p.name for p in paths]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise InputError(f"two files share the name(s) {sorted(dupes)}; doc ids come from file names")
+        blobs = []
+        for p in paths:
+            _check_doc_id(p.name)
+            try:
+                blobs.append(p.read_bytes())
+            except OSError as e:
+                raise InputError(f"cannot read {p}: {e.strerror}") from None
+            if p.name in self._store().manifest.docs:
+                raise InputError(f"document {p.name!r} already exists; remove it first")
+        return [self.add(b, doc_id=p.name, progress=progress, source=str(p)) for p, b in zip(paths, blobs)]
+
+    def ask(self, question: str, top_k: int = 8, selector: str = "text", max_new_tokens: int = 48):
+        """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
+
+        Selects top_k blocks (selector "text": MiniLM embeddings, "keys": the model's own keys),
+        grafts them into a fixed-size window in document order and decodes greedily.
+        """
+        from kvmemory.ask import ask
+        return ask(self, self.documents, question, top_k=top_k, selector=selector, max_new_tokens=max_new_tokens)
+
+    def docs(self) -> list:
+        """Deposited documents, oldest first (DocInfo: doc_id, n_tokens, blocks, segments, source, created)."""
+        return self.documents.docs()
+
+    def remove(self, doc_id: str) -> None:
+        """Remove a document and its vectors (its blocks stay on disk, unreferenced)."""
+        self.documents.remove(doc_id)
+
+    def reindex(self, selector: str | None = None, progress: bool = False) -> None:
+        """Rebuild the FAISS index(es) from the store (they are derived data)."""
+        from kvmemory.index import SELECTORS
+        for sel in ([selector] if selector else SELECTORS):
+            if sel not in SELECTORS:
+                raise InputError(f"selector must be one of {SELECTORS}, got {sel!r}")
+            bar = _bar(progress, desc=f"reindex {sel}", total=len(self.documents.live_rows()), unit="block")
+            try:
+                self.documents._indexes[sel] = self.documents.rebuild(sel, progress=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
 
     @property
     def block_tokens(self) -> int:
@@ -301,7 +392,7 @@ class Memory:
             if list(pos) != list(range(before, before + k)):
                 bad.append((row, f"block {name}: positions are not {before}..{before + k - 1}"))
                 continue
-            # blocks start on multiples of C (only a state's last block is partial)
+            # a block is always computed as one chunk right after its parent chain
             _, fresh, _ = next(kvops.prefill_blocks(self.model, toks, store.manifest.block_tokens, cache, before))
             try:
                 stored = self._read_chain([row])
@@ -315,6 +406,15 @@ class Memory:
                 progress.update(1)
             stack.extend((c, before + k) for c in reversed(children.get(row, [])))
         return bad
+
+
+def _bar(progress: bool, desc: str, total: int | None = None, unit: str = "tok"):
+    """A tqdm bar when asked for and stderr is a terminal; None otherwise."""
+    import sys
+    if not progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True)
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-SUBCOMMANDS = ["save", "generate", "info", "verify", "demo"]
+SUBCOMMANDS = ["save", "generate", "info", "verify", "add", "ask", "docs", "rm", "reindex", "demo"]
 
 
 def run(*args, stdin=None, timeout=600):
@@ -112,3 +112,32 @@ def test_demo_runs_and_reports_bit_exact(tmp_path, default_dir):
     out = r.stdout.decode()
     rows = [line for line in out.splitlines() if "handbook" in line or "system prompt" in line]
     assert len(rows) >= 3 and all(" True " in line for line in rows[:3])
+
+
+def test_add_ask_docs_rm_reindex(tmp_path, tiny_dir):
+    store = tmp_path / "docs.kvm"
+    a, b = tmp_path / "alpha.txt", tmp_path / "beta.md"
+    a.write_text("Copper lanterns line the harbor road. " * 120)
+    b.write_text("Glaciers carve the valley every winter. " * 80)
+    r = run("add", store, a, b, "--model", tiny_dir)
+    assert r.returncode == 0, r.stderr
+    assert b"added alpha.txt" in r.stdout and b"added beta.md" in r.stdout
+    docs = json.loads(run("docs", store, "--json").stdout)
+    assert [d["doc_id"] for d in docs] == ["alpha.txt", "beta.md"] and all(d["blocks"] >= 1 for d in docs)
+    r = run("ask", store, "Where are the copper lanterns?", "--model", tiny_dir, "--top-k", "2",
+            "--max-new-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    ans = json.loads(r.stdout)
+    assert len(ans["sources"]) == 2 and ans["stats"]["tokens_prefilled"] > 0
+    r = run("ask", store, "Where?", "--model", tiny_dir, "--top-k", "1", "--max-new-tokens", "2")
+    assert r.returncode == 0 and b"TTFT" in r.stdout
+    assert run("reindex", store, "--model", tiny_dir).returncode == 0
+    assert run("rm", store, "alpha.txt", "--model", tiny_dir).returncode == 0
+    assert [d["doc_id"] for d in json.loads(run("docs", store, "--json").stdout)] == ["beta.md"]
+    assert "no document" in _one_line_error(run("rm", store, "alpha.txt", "--model", tiny_dir))
+    empty = tmp_path / "empty.kvm"
+    assert run("save", empty, a, "--model", tiny_dir).returncode == 0
+    assert "no documents" in _one_line_error(run("ask", empty, "anything?", "--model", tiny_dir))
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)))
+    assert "UTF-8" in _one_line_error(run("add", store, binary, "--model", tiny_dir))

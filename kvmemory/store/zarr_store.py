@@ -247,24 +247,27 @@ class BlockStore:
         """Run one write transaction under the writer lock.
 
         `build(store)` is called with the store refreshed to the newest commit; it returns
-        (new_blocks, new_states) where new_blocks were made against the refreshed ids. Data
+        (new_blocks, new_states) or (new_blocks, new_states, new_docs, removed_doc_ids), where
+        new_blocks were made against the refreshed ids. Data
         is written and fsynced first, the manifest last: a crash leaves the old commit whole.
         """
         if self.read_only:
             raise StoreReadOnlyError(f"store {self.root} is open read-only")
         with writer_lock(self.root, self.lock_timeout_s):
             self.refresh()
-            new_blocks, new_states = build(self)
+            result = build(self)
+            new_blocks, new_states = result[0], result[1]
+            new_docs, removed_docs = (result[2], result[3]) if len(result) > 2 else ({}, ())
             m = self.manifest
-            if not new_blocks and not new_states:
+            if not new_blocks and not new_states and not new_docs and not removed_docs:
                 return m
             start = m.n_blocks
             if new_blocks:
                 self._append(start, new_blocks)
-            states = dict(m.states)
-            states.update(new_states)
+            states = {**m.states, **new_states}
+            docs = {k: v for k, v in {**m.docs, **new_docs}.items() if k not in removed_docs}
             new_m = Manifest(**{**m.__dict__, "n_blocks": start + len(new_blocks),
-                                "commit": m.commit + 1, "states": states})
+                                "commit": m.commit + 1, "states": states, "docs": docs})
             write_manifest(self.root, new_m)
             self.manifest = new_m
             self._open_arrays()

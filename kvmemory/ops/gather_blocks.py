@@ -1,0 +1,60 @@
+"""gather_blocks: copy selected blocks into the window's KV buffer, re-rotating keys (RoPE).
+
+    pool    [P, L, 2, H, C, D]   blocks (host RAM, pinned host, or a GPU block pool)
+    idx     [k] int64            which pool entries to gather, in slot order
+    n       [k] int64            valid tokens of each (<= C)
+    dst     [k] int64            token offset of each slot in the window buffer
+    shift   [k] int64            slot position - deposit position (0: exact byte copy)
+    out     [L, 2, H, T, D]      the window buffer (written in place)
+    freqs   [D / 2] float32      RoPE inverse frequencies (rotate-half layout)
+
+Values (index 1) are copied as is; keys (index 0) are rotated by shift * freqs. A zero shift
+is a byte-exact copy. The math is done in float64 and rounded once to the buffer's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemory.rope import rotate, shift_cos_sin
+
+
+def _check(pool, idx, n, dst, shift, out, freqs) -> None:
+    if pool.dim() != 6 or out.dim() != 5 or pool.shape[1:4] != out.shape[0:3] or pool.shape[5] != out.shape[4]:
+        raise ValueError(f"pool {tuple(pool.shape)} [P, L, 2, H, C, D] and out {tuple(out.shape)} [L, 2, H, T, D] "
+                         "do not match")
+    if not (len(idx) == len(n) == len(dst) == len(shift)):
+        raise ValueError("idx, n, dst and shift must have one entry per gathered block")
+    if freqs.shape[-1] * 2 != out.shape[4] or pool.dtype != out.dtype:
+        raise ValueError("freqs must have head_dim / 2 entries and pool/out the same dtype")
+    if len(n) and (int(n.max()) > pool.shape[4] or int((dst + n).max()) > out.shape[3] or int(dst.min()) < 0):
+        raise ValueError("a block does not fit its slot in the window buffer")
+
+
+def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
+    """Pure-torch reference (and CPU path) of gather_blocks; see the module docstring."""
+    _check(pool, idx, n, dst, shift, out, freqs)
+    cos, sin = shift_cos_sin(shift.cpu(), freqs.cpu())               # [k, D/2]
+    for i in range(len(idx)):
+        b, k, d, s = int(idx[i]), int(n[i]), int(dst[i]), int(shift[i])
+        block = pool[b, :, :, :, :k]                                  # [L, 2, H, k, D]
+        out[:, 1, :, d:d + k] = block[:, 1]
+        if s == 0:
+            out[:, 0, :, d:d + k] = block[:, 0]                       # exact: no arithmetic
+        else:
+            out[:, 0, :, d:d + k] = rotate(block[:, 0], cos[i].to(out.device), sin[i].to(out.device))
+    return out
+
+
+def gather_blocks(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
+    """Dispatch: the CUDA kernel for CUDA tensors when it is built, otherwise the reference."""
+    if out.is_cuda:
+        from kvmemory.ops import cuda_ext
+
+        kernel = cuda_ext.load()
+        if kernel is not None:
+            _check(pool, idx, n, dst, shift, out, freqs)
+            kernel.gather_blocks(pool, idx.to(out.device), n.to(out.device), dst.to(out.device),
+                                 shift.to(out.device), out, freqs.to(out.device))
+            return out
+    return gather_blocks_ref(pool, idx, n, dst, shift, out, freqs)

@@ -1,0 +1,149 @@
+"""Documents with a tiny random-weight Llama: deposit, resume, selection, paging, window, removal."""
+
+import pytest
+import torch
+
+import kvmemory
+from kvmemory import kv as kvops
+from kvmemory.ask import EmptyStoreError, build_window
+from kvmemory.documents import DocumentNotFoundError
+from kvmemory.errors import InputError, WindowExceededError
+from kvmemory.rope import rotate, shift_cos_sin
+
+
+def words(rng, n):
+    vocab = ["river", "lantern", "copper", "meadow", "falcon", "harbor", "quartz", "willow", "ember", "glacier",
+             "orchard", "thunder", "velvet", "canyon", "saffron", "beacon"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+@pytest.fixture
+def mem(store_path, tiny):
+    with kvmemory.Memory(store_path, model=tiny, segment_blocks=2) as m:
+        yield m
+
+
+def test_add_docs_ask_remove(mem, rng):
+    text = words(rng, 1500) + " The vault code is 4417. " + words(rng, 1500)
+    info = mem.add(text, doc_id="manual")
+    C = mem.block_tokens
+    assert info.doc_id == "manual" and info.blocks == -(-info.n_tokens // C)
+    assert [d.doc_id for d in mem.docs()] == ["manual"]
+    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4)
+    assert len(ans.sources) == 3 and all(s[0] == "manual" for s in ans.sources)
+    starts = [s[1] for s in ans.sources]
+    assert starts == sorted(starts)                                  # document order
+    st = ans.stats
+    assert st["tokens_prefilled"] < 40 and st["tokens_restored"] >= 3 * 1 and st["blocks_from"]["disk"] == 3
+    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4)
+    assert again.stats["blocks_from"]["host"] == 3 and again.stats["tiers"]["host"]["hits"] >= 3
+    assert len(mem.documents.index("text")) == info.blocks
+    mem.remove("manual")
+    assert mem.docs() == [] and len(mem.documents.index("text")) == 0 and len(mem.documents.index("keys")) == 0
+    with pytest.raises(EmptyStoreError):
+        mem.ask("anything?")
+    with pytest.raises(DocumentNotFoundError):
+        mem.remove("manual")
+
+
+def test_interrupted_add_is_invisible_and_resumes_without_recompute(mem, rng, monkeypatch):
+    text = words(rng, 2600)
+    docs = mem.documents
+    real = docs._commit_segment
+    calls = {"n": 0}
+
+    def crash_after_two(*a, **k):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated crash mid-deposit")
+        calls["n"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(docs, "_commit_segment", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        mem.add(text, doc_id="big")
+    assert mem.docs() == []                                         # no half document
+    with kvmemory.Memory(mem.path, model=(mem.model, mem.tokenizer), segment_blocks=2) as other:
+        assert other.docs() == []
+    monkeypatch.setattr(docs, "_commit_segment", real)
+    computed = []
+    orig = kvops.prefill_blocks
+
+    def counting(model, ids, *a, **k):
+        computed.append(len(ids))
+        return orig(model, ids, *a, **k)
+    monkeypatch.setattr(kvops, "prefill_blocks", counting)
+    info = mem.add(text, doc_id="big")
+    seg = 2 * mem.block_tokens
+    assert sum(computed) == info.n_tokens - 2 * seg                 # the two stored segments were reused
+    assert [d.doc_id for d in mem.docs()] == ["big"]
+    assert mem.verify() == []
+
+
+def test_window_grafts_native_positions_exactly_and_rerotates_others(mem, rng):
+    mem.add(words(rng, 2000), doc_id="d")
+    docs = mem.documents
+    q = docs.prelude.question_ids("where?")
+    from kvmemory.window import Candidate, plan
+    rows = mem.store.manifest.docs["d"].rows
+    meta = mem.store.block_meta(rows)
+    cands = [Candidate(r, "d", 0, i * 256, int(meta["n_tokens"][i]), int(meta["positions"][i][0]), 1.0 - i / 10)
+             for i, r in enumerate(rows)]
+    # rows 0 and 2: row 0 is first in its segment (slot 0 = its deposit position); row 2 starts
+    # segment 2 at the same deposit position but lands in slot 1: shifted by one block
+    w = plan([cands[0], cands[2]], len(docs.prelude.ids), len(q), 4, 8192, 2)
+    assert [s.shift for s in w.slots] == [0, 256]
+    cache, _ = build_window(mem, docs, w, docs.prelude_kv())
+    stored = mem._read_chain([rows[0]]), mem._read_chain([rows[2]])
+    p = len(docs.prelude.ids)
+    k = torch.stack([layer.keys[0] for layer in cache.layers])      # [L, H, T, D]
+    v = torch.stack([layer.values[0] for layer in cache.layers])
+    assert torch.equal(k[:, :, p:p + 256], stored[0][:, 0]) and torch.equal(v[:, :, p:p + 256], stored[0][:, 1])
+    assert torch.equal(v[:, :, p + 256:p + 512], stored[1][:, 1])
+    cos, sin = shift_cos_sin(torch.tensor([256]), docs.freqs)
+    torch.testing.assert_close(k[:, :, p + 256:p + 512], rotate(stored[1][:, 0], cos[0], sin[0]), atol=0, rtol=0)
+
+
+def test_reindex_and_missing_index_rebuild_give_same_selection(mem, rng):
+    mem.add(words(rng, 1800), doc_id="a")
+    mem.add(words(rng, 900), doc_id="b")
+    before = mem.ask("copper falcon harbor", top_k=4, max_new_tokens=1).sources
+    for f in (mem.path / "index").iterdir():
+        f.unlink()
+    with kvmemory.Memory(mem.path, model=(mem.model, mem.tokenizer)) as other:
+        assert other.ask("copper falcon harbor", top_k=4, max_new_tokens=1).sources == before
+    mem.reindex()
+    assert mem.ask("copper falcon harbor", top_k=4, max_new_tokens=1).sources == before
+    keys = mem.ask("copper falcon harbor", top_k=2, selector="keys", max_new_tokens=1)
+    assert len(keys.sources) == 2
+
+
+def test_bad_documents_and_questions(mem, tmp_path, rng):
+    for bad in ("", "   ", b"\xff\xfe\x00binary", "text with a NUL \x00 byte"):
+        with pytest.raises(InputError):
+            mem.add(bad, doc_id="x")
+    mem.add(words(rng, 300), doc_id="keep")
+    with pytest.raises(InputError, match="already exists"):
+        mem.add(words(rng, 300), doc_id="keep")
+    with pytest.raises(InputError):
+        mem.add(words(rng, 30), doc_id="bad\nid")
+    with pytest.raises(WindowExceededError):
+        mem.ask("why " * 9000)
+    with pytest.raises(InputError):
+        mem.ask("   ")
+    with pytest.raises(InputError):
+        mem.ask("what?", selector="nonsense")
+    (tmp_path / "a.txt").write_text(words(rng, 200))
+    (tmp_path / "b.bin").write_bytes(b"\x00\x01\xff")
+    with pytest.raises(InputError):
+        mem.add_files([tmp_path / "a.txt", tmp_path / "b.bin"])
+    assert [d.doc_id for d in mem.docs()] == ["keep", "a.txt"] or [d.doc_id for d in mem.docs()] == ["keep"]
+    assert mem.verify() == []
+
+
+def test_add_files_uses_file_names(mem, tmp_path, rng):
+    for name in ("one.md", "two.txt"):
+        (tmp_path / name).write_text(words(rng, 400))
+    infos = mem.add_files([tmp_path / "one.md", tmp_path / "two.txt"])
+    assert [i.doc_id for i in infos] == ["one.md", "two.txt"]
+    assert {d.doc_id for d in mem.docs()} == {"one.md", "two.txt"}
+    with pytest.raises(InputError, match="share"):
+        mem.add_files([tmp_path / "one.md", tmp_path / "one.md"])

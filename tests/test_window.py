@@ -1,0 +1,33 @@
+import pytest
+
+from kvmemory.window import Candidate, plan
+
+
+def cand(row, doc_rank, doc_start, score, n=256, deposit=20):
+    return Candidate(row=row, doc_id=f"d{doc_rank}", doc_rank=doc_rank, doc_start=doc_start, n_tokens=n,
+                     deposit_pos=deposit, score=score)
+
+
+def test_best_scores_chosen_then_laid_out_in_document_order():
+    cs = [cand(5, 1, 512, 0.9), cand(1, 0, 768, 0.8), cand(2, 0, 0, 0.1), cand(9, 0, 256, 0.7)]
+    w = plan(cs, prelude_tokens=20, question_tokens=10, max_new_tokens=10, window_tokens=8192, top_k=3)
+    assert [s.candidate.row for s in w.slots] == [9, 1, 5]           # doc 0 by position, then doc 1
+    assert [s.slot_pos for s in w.slots] == [20, 276, 532]
+    assert w.context_tokens == 20 + 3 * 256
+
+
+def test_shift_is_zero_exactly_when_slot_matches_deposit_position():
+    cs = [cand(1, 0, 0, 0.9, deposit=20), cand(2, 0, 256, 0.8, deposit=276), cand(3, 0, 2048, 0.7, deposit=532)]
+    w = plan(cs, 20, 5, 5, 8192, 3)
+    assert [s.shift for s in w.slots] == [0, 0, 0]
+    w = plan(cs[1:], 20, 5, 5, 8192, 2)
+    assert [s.shift for s in w.slots] == [20 - 276, 276 - 532] and w.exact_slots == 0
+
+
+def test_budget_and_duplicates():
+    cs = [cand(i, 0, i * 256, 1 - i / 100) for i in range(40)] + [cand(0, 0, 0, 0.99)]
+    w = plan(cs, 100, 50, 50, 8192, 100)
+    assert w.total_tokens <= 8192 and len({s.candidate.row for s in w.slots}) == len(w.slots)
+    assert len(w.slots) == (8192 - 200) // 256
+    with pytest.raises(ValueError, match="do not fit"):
+        plan(cs, 100, 8000, 200, 8192, 4)
