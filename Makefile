@@ -4,7 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean cuda-check
+
+NVCC       ?= nvcc
+CUDA_BUILD ?= build/cuda
+CUDA_SRC   := $(wildcard cuda/*.cu)
+# every warning is an error: none is accepted today
+NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC,-Wall,-Wextra,-Werror -Werror all-warnings
 
 install: $(STAMP)
 
@@ -27,6 +33,19 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_restore.py
+
+# compile every kernel for A100 (sm_80) and H100/H200 (sm_90), then link the shared library
+# the runtime loads; needs nvcc, not a GPU
+cuda-check:
+	@mkdir -p $(CUDA_BUILD)
+	@for arch in 80 90; do \
+	  for f in $(CUDA_SRC); do \
+	    $(NVCC) $(NVCC_FLAGS) -gencode arch=compute_$$arch,code=sm_$$arch -c $$f \
+	      -o $(CUDA_BUILD)/$$(basename $$f .cu).sm_$$arch.o || exit 1; \
+	  done; \
+	  $(NVCC) -shared $(CUDA_BUILD)/*.sm_$$arch.o -o $(CUDA_BUILD)/libkvmemory_cuda.sm_$$arch.so || exit 1; \
+	done
+	@echo "cuda-check: $(words $(CUDA_SRC)) sources compiled for sm_80 and sm_90 with warnings as errors"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

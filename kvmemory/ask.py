@@ -82,6 +82,9 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
              for i, (r, s) in enumerate(hits)]
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k)
     # ---- page in and graft
+    if mem.model.device.type == "cuda":      # decode attention through the paged-window kernel
+        from kvmemory.ops import use_window_attention
+        use_window_attention(mem.model)
     t = time.perf_counter()
     prelude = docs.prelude_kv()
     cache, fetch = build_window(mem, docs, window, prelude)

@@ -166,7 +166,9 @@ class Memory:
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Selects top_k blocks (selector "text": MiniLM embeddings, "keys": the model's own keys),
-        grafts them into a fixed-size window in document order and decodes greedily.
+        grafts them into a fixed-size window in document order and decodes greedily. With the
+        model on CUDA, blocks are gathered by the gather_blocks kernel and the model's attention
+        is switched to kvmemory's window_attention op (transformers' attention registry).
         """
         from kvmemory.ask import ask
         return ask(self, self.documents, question, top_k=top_k, selector=selector, max_new_tokens=max_new_tokens)

@@ -145,5 +145,6 @@ def test_add_files_uses_file_names(mem, tmp_path, rng):
     infos = mem.add_files([tmp_path / "one.md", tmp_path / "two.txt"])
     assert [i.doc_id for i in infos] == ["one.md", "two.txt"]
     assert {d.doc_id for d in mem.docs()} == {"one.md", "two.txt"}
+    assert mem.verify(recompute=True) == []          # E2 over document blocks behind the prelude
     with pytest.raises(InputError, match="share"):
         mem.add_files([tmp_path / "one.md", tmp_path / "one.md"])

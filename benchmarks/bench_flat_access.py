@@ -1,0 +1,181 @@
+"""Flat cost: ask latency (selection + page-in + first token) as the store grows.
+
+Stores of the given sizes use the default model's KV geometry with synthetic KV bytes that
+are real on disk (distinct blocks with valid ids and digests, so every read is verified), a
+real documents table and a real FAISS index (random unit vectors stand in for the text
+embeddings). The same questions are asked of every store with the real model, cold (page
+cache evicted before each question), top-k 8, one answer token. Sizes that do not fit the
+free disk (with a 20% margin) are skipped and reported.
+
+    python benchmarks/bench_flat_access.py --tokens 8192,131072 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np  # noqa: E402
+from machine import describe, drop_from_page_cache  # noqa: E402
+
+import kvmemory  # noqa: E402
+from kvmemory import hashing  # noqa: E402
+from kvmemory.documents import SEGMENT_BLOCKS  # noqa: E402
+from kvmemory.index import VectorIndex  # noqa: E402
+from kvmemory.manifest import DocEntry  # noqa: E402
+from kvmemory.store import NewBlock  # noqa: E402
+
+QUESTIONS = ["What torque does the M8 bolt need?", "When was the bridge inspected last?",
+             "Who signed the lease for the warehouse?", "How many pages does the manual have?",
+             "Which valve controls the pressure in the second loop?"]
+
+
+def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> tuple[float, int]:
+    """A store holding one document of n_tokens synthetic tokens. Returns (seconds, disk bytes)."""
+    t0 = time.perf_counter()
+    mem = kvmemory.Memory(path, model=model)
+    docs = mem.documents
+    prelude, prelude_row = docs._prelude_state()
+    store, C, p = mem.store, mem.block_tokens, prelude.n_tokens
+    g = mem.geometry
+    base = rng.standard_normal((g.layers, 2, g.kv_heads, C, g.head_dim), dtype=np.float32)
+    vocab = mem.tokenizer.vocab_size
+    rows, seg_len = [], SEGMENT_BLOCKS * C
+    batch: list[tuple] = []
+
+    def flush():
+        def build(s):
+            new, local = [], {}          # rows of this batch's blocks, before they are committed
+            for bid, parent_key, toks, pos, kv in batch:
+                parent_row = prelude_row if parent_key is None else local.get(parent_key, s.row_of(parent_key))
+                local[bid] = s.manifest.n_blocks + len(new)
+                new.append(NewBlock(bid, parent_row, toks, pos, kv))
+            return new, {}
+        store.commit(build)
+        rows.extend(store.row_of(b[0]) for b in batch)
+        batch.clear()
+
+    for s0 in range(0, n_tokens, seg_len):
+        seg = rng.integers(0, vocab, min(seg_len, n_tokens - s0)).tolist()
+        ids = hashing.chain_ids(mem.fingerprint, seg, C, parent=bytes.fromhex(prelude.id), start=p)
+        parent = None
+        for i, bid in enumerate(ids):
+            toks = seg[i * C:(i + 1) * C]
+            kv = base[:, :, :, :len(toks)].copy()
+            kv[0, 0, 0, 0, 0] = len(rows) + len(batch)            # distinct bytes, distinct digest
+            batch.append((bid, parent, toks, range(p + i * C, p + i * C + len(toks)), kv))
+            parent = bid
+        if len(batch) >= 64:
+            flush()
+    if batch:
+        flush()
+    vecs = rng.standard_normal((len(rows), 384)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    idx = VectorIndex(384)
+    idx.add(rows, vecs)
+    docs._save_index("text", idx)
+    keys = VectorIndex(docs.dims["keys"])
+    kv_vecs = rng.standard_normal((len(rows), docs.dims["keys"])).astype(np.float32)
+    keys.add(rows, kv_vecs / np.linalg.norm(kv_vecs, axis=1, keepdims=True))
+    docs._save_index("keys", keys)
+    store.commit(lambda s: ([], {}, {"synthetic": DocEntry(rows=rows, n_tokens=n_tokens,
+                                                           segments=-(-n_tokens // seg_len))}, ()))
+    disk = store.disk_bytes()
+    mem.close()
+    return time.perf_counter() - t0, disk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="16384,131072,1048576")
+    ap.add_argument("--questions", type=int, default=5)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write the JSON here (default benchmarks/results/flat-DATE.json)")
+    ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
+    args = ap.parse_args()
+    from kvmemory.config import RuntimeConfig, from_env
+    from kvmemory.model import load_model
+    model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
+    work = Path(tempfile.mkdtemp(prefix="bench-flat-", dir=args.dir))
+    rng = np.random.default_rng()
+    rows, skipped = [], []
+    per_token = 46080
+    for n in [int(x) for x in args.tokens.split(",")]:
+        free = shutil.disk_usage(work).free
+        if n * per_token * 1.2 > free:
+            skipped.append({"store_tokens": n, "why": f"needs ~{n * per_token / 1e9:.0f} GB, {free / 1e9:.0f} GB free"})
+            print(f"  skip {n}: {skipped[-1]['why']}", file=sys.stderr)
+            continue
+        path = work / f"flat-{n}.kvm"
+        build_s, disk = build_store(path, (model, tok), n, rng)
+        print(f"  built {n} tokens in {build_s:.0f} s ({disk / 1e9:.1f} GB)", file=sys.stderr)
+        mem = kvmemory.Memory(path, model=(model, tok))
+        mem.documents.embedder                      # load MiniLM before timing, like a warm service
+        mem.ask(QUESTIONS[0], top_k=args.top_k, max_new_tokens=1)     # warm model code paths
+        parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": []}
+        for q in QUESTIONS[:args.questions]:
+            mem._pager = None                       # cold host tier ...
+            drop_from_page_cache(path)              # ... and cold page cache
+            t = time.perf_counter()
+            a = mem.ask(q, top_k=args.top_k, max_new_tokens=1)
+            parts["ask"].append((time.perf_counter() - t) * 1e3)
+            ts = a.stats["timings_s"]
+            parts["select"].append(ts["select"] * 1e3)
+            parts["page_in"].append(ts["page_in_and_graft"] * 1e3)
+            parts["first_token"].append(ts["first_token"] * 1e3)
+            parts["disk_read"].append(ts["disk_read"] * 1e3)
+        mem.close()
+        rows.append({"store_tokens": n, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
+                     "ask_ms_median": statistics.median(parts["ask"]),
+                     **{f"{k}_ms_median": statistics.median(v) for k, v in parts.items() if k != "ask"},
+                     "ask_ms_all": parts["ask"]})
+        shutil.rmtree(path, ignore_errors=True)
+    machine = describe()
+    result = {"benchmark": "flat_access", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine, "top_k": args.top_k, "rows": rows, "skipped": skipped}
+    print(f"\nflat access — ask latency (selection + page-in + first token), cold, top-k {args.top_k}; "
+          f"{machine['cpu']}, {machine['cores']} cores")
+    print(f"{'tokens':>9} {'x window':>8} {'blocks':>6} {'ask ms':>7} {'select':>7} {'page-in':>7} {'disk':>6} "
+          f"{'1st tok':>7} {'vs first':>8}")
+    for r in rows:
+        print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['blocks']:6d} {r['ask_ms_median']:7.0f} "
+              f"{r['select_ms_median']:7.1f} {r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "
+              f"{r['first_token_ms_median']:7.0f} {r['ask_ms_median'] / rows[0]['ask_ms_median']:8.2f}")
+    for s in skipped:
+        print(f"skipped {s['store_tokens']}: {s['why']}")
+    out = Path(args.json) if args.json else Path("benchmarks/results") / \
+        f"flat-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    _plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _plot(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [r["store_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    bottom = np.zeros(len(rows))
+    for k in ("select", "page_in", "first_token"):
+        v = np.array([r[f"{k}_ms_median"] for r in rows])
+        ax.bar([str(t) for t in x], v, bottom=bottom, label=k.replace("_", " "))
+        bottom += v
+    ax.set(xlabel="store tokens", ylabel="ms (median, cold)", title="ask latency by store size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
