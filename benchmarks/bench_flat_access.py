@@ -93,6 +93,31 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
     return time.perf_counter() - t0, disk
 
 
+def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=384, k=8, queries=50) -> list:
+    """Exact (flat) vs IVF search time and IVF recall@k, to place the flat -> IVF switch."""
+    out = []
+    for n in sizes:
+        vecs = rng.standard_normal((n, dim)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        qs = vecs[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim)).astype(np.float32)
+        flat = VectorIndex(dim, ivf_threshold=10**12)
+        flat.add(list(range(n)), vecs)
+        t = time.perf_counter()
+        exact = [flat.search(q, k) for q in qs]
+        flat_ms = (time.perf_counter() - t) / queries * 1e3
+        ivf = VectorIndex(dim, ivf_threshold=0)
+        ivf.add(list(range(n)), vecs)
+        t = time.perf_counter()
+        approx = [ivf.search(q, k) for q in qs]
+        ivf_ms = (time.perf_counter() - t) / queries * 1e3
+        recall = np.mean([len({i for i, _ in a} & {i for i, _ in e}) / k for a, e in zip(approx, exact)])
+        out.append({"vectors": n, "tokens_at_C256": n * 256, "flat_ms": flat_ms, "ivf_ms": ivf_ms,
+                    "ivf_recall_at_k": float(recall)})
+        print(f"  faiss {n} vectors: flat {flat_ms:.2f} ms, ivf {ivf_ms:.2f} ms (recall@{k} {recall:.2f})",
+              file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16384,131072,1048576")
@@ -100,6 +125,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--json", default=None, help="write the JSON here (default benchmarks/results/flat-DATE.json)")
     ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
+    ap.add_argument("--no-faiss", action="store_true", help="skip the flat-vs-IVF search measurement")
     args = ap.parse_args()
     from kvmemory.config import RuntimeConfig, from_env
     from kvmemory.model import load_model
@@ -118,7 +144,7 @@ def main() -> None:
         build_s, disk = build_store(path, (model, tok), n, rng)
         print(f"  built {n} tokens in {build_s:.0f} s ({disk / 1e9:.1f} GB)", file=sys.stderr)
         mem = kvmemory.Memory(path, model=(model, tok))
-        mem.documents.embedder                      # load MiniLM before timing, like a warm service
+        _ = mem.documents.embedder                  # load MiniLM before timing, like a warm service
         mem.ask(QUESTIONS[0], top_k=args.top_k, max_new_tokens=1)     # warm model code paths
         parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": []}
         for q in QUESTIONS[:args.questions]:
@@ -138,9 +164,10 @@ def main() -> None:
                      **{f"{k}_ms_median": statistics.median(v) for k, v in parts.items() if k != "ask"},
                      "ask_ms_all": parts["ask"]})
         shutil.rmtree(path, ignore_errors=True)
+    faiss_rows = [] if args.no_faiss else faiss_scaling(rng)
     machine = describe()
     result = {"benchmark": "flat_access", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "top_k": args.top_k, "rows": rows, "skipped": skipped}
+              "machine": machine, "top_k": args.top_k, "rows": rows, "skipped": skipped, "faiss": faiss_rows}
     print(f"\nflat access — ask latency (selection + page-in + first token), cold, top-k {args.top_k}; "
           f"{machine['cpu']}, {machine['cores']} cores")
     print(f"{'tokens':>9} {'x window':>8} {'blocks':>6} {'ask ms':>7} {'select':>7} {'page-in':>7} {'disk':>6} "
@@ -151,6 +178,9 @@ def main() -> None:
               f"{r['first_token_ms_median']:7.0f} {r['ask_ms_median'] / rows[0]['ask_ms_median']:8.2f}")
     for s in skipped:
         print(f"skipped {s['store_tokens']}: {s['why']}")
+    for f in faiss_rows:
+        print(f"FAISS {f['vectors']:>7} vectors (~{f['tokens_at_C256'] / 1e6:.0f}M tokens): exact {f['flat_ms']:.2f} ms, "
+              f"IVF {f['ivf_ms']:.2f} ms at recall@{args.top_k} {f['ivf_recall_at_k']:.2f}")
     out = Path(args.json) if args.json else Path("benchmarks/results") / \
         f"flat-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

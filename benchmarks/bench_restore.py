@@ -25,7 +25,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
 from machine import describe, drop_from_page_cache  # noqa: E402
 
 import kvmemory  # noqa: E402

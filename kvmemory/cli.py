@@ -186,7 +186,7 @@ def cmd_verify(args) -> int:
         n = store.n_blocks
         with _progress(n, "verify") as bar:
             bad = store.verify_all(progress=_ticking(range(n), bar))
-    for row, why in bad:
+    for _, why in bad:
         print(f"BAD {why}")
     what = "E1 digest + E2 recompute" if args.recompute else "E1 digest"
     print(f"{n - len(bad)}/{n} blocks passed ({what})")

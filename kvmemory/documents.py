@@ -170,17 +170,11 @@ class Documents:
     def add(self, text, doc_id: str | None = None, source: str = "", progress=None) -> DocInfo:
         mem = self.mem
         store = mem._store()
-        if isinstance(text, (bytes, bytearray)):
-            try:
-                text = bytes(text).decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"{source or 'document'} is not UTF-8 text (byte 0x{text[e.start]:02x} at offset "
-                                 f"{e.start})") from None
-        if not isinstance(text, str) or not text.strip():
-            raise InputError(f"{source or 'document'} is empty")
-        if "\x00" in text:
-            raise InputError(f"{source or 'document'} contains NUL bytes: it looks binary, not text")
+        text = decode_text(text, source)
         ids = mem.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if progress is not None:
+            progress.total = len(ids)
+            progress.refresh()
         doc_id = doc_id or xxhash.xxh3_64_hexdigest(np.asarray(ids, np.int32).tobytes())
         _check_doc_id(doc_id)
         store.refresh()
@@ -269,6 +263,21 @@ class Documents:
             idx.remove(gone)
             self._save_index(sel, idx)
         self.mem._pager_forget(gone)
+
+
+def decode_text(text, source: str = "") -> str:
+    """A document's text: str, or bytes that must be UTF-8; not empty, not binary."""
+    what = source or "document"
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{what} is not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start})") from None
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"{what} is empty")
+    if "\x00" in text:
+        raise InputError(f"{what} contains NUL bytes: it looks binary, not text")
+    return text
 
 
 def _check_doc_id(doc_id: str) -> None:

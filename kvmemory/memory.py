@@ -145,7 +145,7 @@ class Memory:
 
     def add_files(self, paths, progress: bool = False) -> list:
         """Deposit files; each file's name is its doc id. Checks every file before adding any."""
-        from kvmemory.documents import _check_doc_id
+        from kvmemory.documents import _check_doc_id, decode_text
         paths = [Path(p) for p in paths]
         names = [p.name for p in paths]
         dupes = {n for n in names if names.count(n) > 1}
@@ -155,7 +155,7 @@ class Memory:
         for p in paths:
             _check_doc_id(p.name)
             try:
-                blobs.append(p.read_bytes())
+                blobs.append(decode_text(p.read_bytes(), str(p)))
             except OSError as e:
                 raise InputError(f"cannot read {p}: {e.strerror}") from None
             if p.name in self._store().manifest.docs:

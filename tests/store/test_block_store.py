@@ -12,7 +12,7 @@ import torch
 from kvmemory import hashing
 from kvmemory import kv as kvops
 from kvmemory.errors import StoreCorruptError, StoreError, StoreLockedError, StoreReadOnlyError
-from kvmemory.manifest import Manifest, StateEntry, read_manifest
+from kvmemory.manifest import Manifest, StateEntry
 from kvmemory.store import BlockStore, NewBlock
 
 L, H, C, D = 2, 2, 4, 3
