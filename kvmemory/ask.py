@@ -51,8 +51,8 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
-    if top_k < 1:
-        raise InputError(f"top_k must be >= 1, got {top_k}")
+    if top_k < 1 or max_new_tokens < 1:
+        raise InputError(f"top_k and max_new_tokens must be >= 1, got {top_k} and {max_new_tokens}")
     store = mem._store()
     store.refresh()
     manifest = store.manifest
@@ -66,12 +66,12 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
                                   f"prelude and {max_new_tokens} answer tokens")
     # ---- selection
     t = time.perf_counter()
+    idx = docs.index(selector)                 # validates the selector before any work
     if selector == "keys":
         g = mem.geometry
         qv = keysel.query_vector(mem.model, prelude_ids + q_ids, docs.key_layer, g.kv_heads, g.head_dim)
     else:
         qv = docs.embedder.embed([question])[0]
-    idx = docs.index(selector)
     live = {r: (doc_id, rank) for rank, (doc_id, d) in enumerate(manifest.docs.items()) for r in d.rows}
     hits = [(r, s) for r, s in idx.search(qv, 4 * top_k) if r in live][:top_k]
     select_s = time.perf_counter() - t

@@ -58,18 +58,28 @@ def read_blocks(array_dir: Path, rows: list[int], out: np.ndarray, blocks_per_sh
         j.result()
 
 
-def _read_shard(path: Path, shard: int, idx: list[int], rows: list[int], out: np.ndarray, per_shard: int) -> None:
-    want = out[0].nbytes
+def _open_shard(path: Path, per_shard: int, what: str) -> tuple[int, int, np.ndarray]:
+    """Open a shard file: (fd, size, index [per_shard, 2] of (offset, nbytes)). The caller closes fd."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise StoreCorruptError(f"shard file {path} is missing") from None
+        raise StoreCorruptError(f"{what}shard file {path} is missing") from None
     try:
         size = os.fstat(fd).st_size
-        index_bytes = per_shard * 16 + 4
+        index_bytes = per_shard * 16 + 4                   # (offset, nbytes) uint64 pairs + crc32c
         if size < index_bytes:
-            raise StoreCorruptError(f"shard file {path} is truncated ({size} bytes)")
-        index = np.frombuffer(os.pread(fd, index_bytes, size - index_bytes)[:-4], dtype="<u8").reshape(per_shard, 2)
+            raise StoreCorruptError(f"{what}shard file {path} is truncated ({size} bytes)")
+        raw = os.pread(fd, index_bytes, size - index_bytes)[:-4]
+        return fd, size, np.frombuffer(raw, dtype="<u8").reshape(per_shard, 2)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_shard(path: Path, shard: int, idx: list[int], rows: list[int], out: np.ndarray, per_shard: int) -> None:
+    want = out[0].nbytes
+    fd, size, index = _open_shard(path, per_shard, "")
+    try:
         for i in idx:
             off, n = (int(x) for x in index[rows[i] - shard * per_shard])
             if off == _MISSING or n != want or off + n > size:
@@ -102,16 +112,8 @@ def _scatter_block(array_dir: Path, row: int, t0: int, n: int, want_digest: byte
     L, two, H, _, D = out.shape
     shard = row // per_shard
     path = array_dir / "c" / str(shard) / "/".join(["0"] * 5)
+    fd, size, index = _open_shard(path, per_shard, f"block {name} (row {row}): ")
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise StoreCorruptError(f"block {name} (row {row}): shard file {path} is missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        index_bytes = per_shard * 16 + 4
-        if size < index_bytes:
-            raise StoreCorruptError(f"block {name} (row {row}): shard file {path} is truncated")
-        index = np.frombuffer(os.pread(fd, index_bytes, size - index_bytes)[:-4], dtype="<u8").reshape(per_shard, 2)
         off, nbytes = (int(x) for x in index[row - shard * per_shard])
         run = nbytes // (L * two * H)                      # bytes of one (l, kv, h) run: C * D words
         valid = n * D * out.itemsize
