@@ -94,12 +94,18 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
 
 
 def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=384, k=8, queries=50) -> list:
-    """Exact (flat) vs IVF search time and IVF recall@k, to place the flat -> IVF switch."""
+    """Exact (flat) vs IVF search time and IVF recall, to place the flat -> IVF switch.
+
+    Each query is a stored vector plus noise, so its planted neighbour is the one right answer
+    (recall@1); with random vectors the other top-k neighbours are near-ties, so recall@k is
+    reported too but says little.
+    """
     out = []
     for n in sizes:
         vecs = rng.standard_normal((n, dim)).astype(np.float32)
         vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-        qs = vecs[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim)).astype(np.float32)
+        planted = rng.integers(0, n, queries)
+        qs = vecs[planted] + 0.02 * rng.standard_normal((queries, dim)).astype(np.float32)
         flat = VectorIndex(dim, ivf_threshold=10**12)
         flat.add(list(range(n)), vecs)
         t = time.perf_counter()
@@ -111,9 +117,10 @@ def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=
         approx = [ivf.search(q, k) for q in qs]
         ivf_ms = (time.perf_counter() - t) / queries * 1e3
         recall = np.mean([len({i for i, _ in a} & {i for i, _ in e}) / k for a, e in zip(approx, exact)])
+        recall1 = np.mean([bool(a) and a[0][0] == int(p) for a, p in zip(approx, planted)])
         out.append({"vectors": n, "tokens_at_C256": n * 256, "flat_ms": flat_ms, "ivf_ms": ivf_ms,
-                    "ivf_recall_at_k": float(recall)})
-        print(f"  faiss {n} vectors: flat {flat_ms:.2f} ms, ivf {ivf_ms:.2f} ms (recall@{k} {recall:.2f})",
+                    "ivf_recall_at_1": float(recall1), "ivf_recall_at_k": float(recall)})
+        print(f"  faiss {n} vectors: flat {flat_ms:.2f} ms, ivf {ivf_ms:.2f} ms (recall@1 {recall1:.2f})",
               file=sys.stderr)
     return out
 
@@ -146,7 +153,7 @@ def main() -> None:
         mem = kvmemory.Memory(path, model=(model, tok))
         _ = mem.documents.embedder                  # load MiniLM before timing, like a warm service
         mem.ask(QUESTIONS[0], top_k=args.top_k, max_new_tokens=1)     # warm model code paths
-        parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": []}
+        parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": [], "other": []}
         for q in QUESTIONS[:args.questions]:
             mem._pager = None                       # cold host tier ...
             drop_from_page_cache(path)              # ... and cold page cache
@@ -158,6 +165,8 @@ def main() -> None:
             parts["page_in"].append(ts["page_in_and_graft"] * 1e3)
             parts["first_token"].append(ts["first_token"] * 1e3)
             parts["disk_read"].append(ts["disk_read"] * 1e3)
+            # the rest: manifest refresh, question tokens, planning, stats
+            parts["other"].append(parts["ask"][-1] - (ts["select"] + ts["page_in_and_graft"] + ts["first_token"]) * 1e3)
         mem.close()
         rows.append({"store_tokens": n, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
                      "ask_ms_median": statistics.median(parts["ask"]),
@@ -171,16 +180,18 @@ def main() -> None:
     print(f"\nflat access — ask latency (selection + page-in + first token), cold, top-k {args.top_k}; "
           f"{machine['cpu']}, {machine['cores']} cores")
     print(f"{'tokens':>9} {'x window':>8} {'blocks':>6} {'ask ms':>7} {'select':>7} {'page-in':>7} {'disk':>6} "
-          f"{'1st tok':>7} {'vs first':>8}")
+          f"{'1st tok':>7} {'other':>6} {'vs first':>8}")
     for r in rows:
         print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['blocks']:6d} {r['ask_ms_median']:7.0f} "
               f"{r['select_ms_median']:7.1f} {r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "
-              f"{r['first_token_ms_median']:7.0f} {r['ask_ms_median'] / rows[0]['ask_ms_median']:8.2f}")
+              f"{r['first_token_ms_median']:7.0f} {r['other_ms_median']:6.0f} "
+              f"{r['ask_ms_median'] / rows[0]['ask_ms_median']:8.2f}")
     for s in skipped:
         print(f"skipped {s['store_tokens']}: {s['why']}")
     for f in faiss_rows:
         print(f"FAISS {f['vectors']:>7} vectors (~{f['tokens_at_C256'] / 1e6:.0f}M tokens): exact {f['flat_ms']:.2f} ms, "
-              f"IVF {f['ivf_ms']:.2f} ms at recall@{args.top_k} {f['ivf_recall_at_k']:.2f}")
+              f"IVF {f['ivf_ms']:.2f} ms, recall@1 {f['ivf_recall_at_1']:.2f} (recall@{args.top_k} "
+              f"{f['ivf_recall_at_k']:.2f})")
     out = Path(args.json) if args.json else Path("benchmarks/results") / \
         f"flat-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +208,7 @@ def _plot(rows, path) -> None:
     x = [r["store_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     bottom = np.zeros(len(rows))
-    for k in ("select", "page_in", "first_token"):
+    for k in ("select", "page_in", "first_token", "other"):
         v = np.array([r[f"{k}_ms_median"] for r in rows])
         ax.bar([str(t) for t in x], v, bottom=bottom, label=k.replace("_", " "))
         bottom += v

@@ -98,10 +98,10 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
     eos = _eos(mem)
     new: list[int] = []
     t = time.perf_counter()
-    for _ in range(max_new_tokens):
-        if nxt in eos:
-            break
+    while nxt not in eos:
         new.append(nxt)
+        if len(new) == max_new_tokens:       # no forward pass for a token we would not use
+            break
         out = mem.model(input_ids=torch.tensor([[nxt]], device=mem.model.device), past_key_values=cache,
                         use_cache=True)
         nxt = int(out.logits[0, -1].argmax())

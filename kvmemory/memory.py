@@ -349,11 +349,10 @@ class Memory:
         out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
         eos = _eos_ids(self.tokenizer, self.model)
         new: list[int] = []
-        for _ in range(max_new_tokens):
-            nxt = int(out.logits[0, -1].argmax())
-            if nxt in eos:
-                break
+        while (nxt := int(out.logits[0, -1].argmax())) not in eos:
             new.append(nxt)
+            if len(new) == max_new_tokens:   # no forward pass for a token we would not use
+                break
             out = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
