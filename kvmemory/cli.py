@@ -9,7 +9,8 @@ import sys
 
 from kvmemory.errors import KVMemoryError
 
-EPILOG = "Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer waits)."
+EPILOG = ("Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
+          "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget).")
 
 
 def _parser() -> argparse.ArgumentParser:

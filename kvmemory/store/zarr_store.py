@@ -248,8 +248,8 @@ class BlockStore:
 
         `build(store)` is called with the store refreshed to the newest commit; it returns
         (new_blocks, new_states) or (new_blocks, new_states, new_docs, removed_doc_ids), where
-        new_blocks were made against the refreshed ids. Data
-        is written and fsynced first, the manifest last: a crash leaves the old commit whole.
+        new_blocks were made against the refreshed ids. Data is written and fsynced first, the
+        manifest last: a crash leaves the old commit whole.
         """
         if self.read_only:
             raise StoreReadOnlyError(f"store {self.root} is open read-only")
@@ -275,6 +275,7 @@ class BlockStore:
             return new_m
 
     def _append(self, start: int, blocks: list[NewBlock]) -> None:
+        t0 = time.time()                 # before the resize: the new shapes must be fsynced too
         arrs = self._writable_arrays()
         k = len(blocks)
         C = self.manifest.block_tokens
@@ -295,7 +296,6 @@ class BlockStore:
             tokens[i, :n] = b.tokens
             positions[i, :n] = b.positions
             digests[i] = np.frombuffer(block_digest(kv[i], n), np.uint8)
-        t0 = time.time()
         sl = slice(start, need)
         arrs["kv"][sl] = kv
         arrs["tokens"][sl] = tokens
