@@ -16,6 +16,7 @@ import torch
 from kvmemory import kv as kvops
 from kvmemory.errors import InputError, KVMemoryError, WindowExceededError
 from kvmemory.index import keys as keysel
+from kvmemory.memory import _eos_ids
 from kvmemory.ops import gather_blocks
 from kvmemory.window import Candidate, WindowPlan, plan
 
@@ -95,7 +96,7 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
     nxt = int(out.logits[0, -1].argmax())
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
-    eos = _eos(mem)
+    eos = _eos_ids(mem.tokenizer, mem.model)
     new: list[int] = []
     t = time.perf_counter()
     while nxt not in eos:
@@ -133,9 +134,3 @@ def _doc_starts(store, rows: list[int]) -> dict[int, int]:
         starts = np.concatenate([[0], np.cumsum(store.block_meta(d.rows)["n_tokens"])[:-1]])
         out.update({r: int(s) for r, s in zip(d.rows, starts) if r in want})
     return out
-
-
-def _eos(mem) -> set[int]:
-    from kvmemory.memory import _eos_ids
-    return _eos_ids(mem.tokenizer, mem.model)
-

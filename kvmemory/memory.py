@@ -279,7 +279,9 @@ class Memory:
 
     def _read_chain(self, rows: list[int]) -> torch.Tensor:
         """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""
-        return kvops.from_storage(self._store().read_state_kv(rows), self._dtype)
+        kv = kvops.from_storage(self._store().read_state_kv(rows), self._dtype)
+        kvops.check_geometry(kv, self.geometry)
+        return kv
 
     def resolve(self, state_id: str) -> str:
         """Full id of a committed state given its id or a unique prefix of >= 8 hex digits."""
