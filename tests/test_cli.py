@@ -141,3 +141,27 @@ def test_add_ask_docs_rm_reindex(tmp_path, tiny_dir):
     binary = tmp_path / "blob.bin"
     binary.write_bytes(bytes(range(256)))
     assert "UTF-8" in _one_line_error(run("add", store, binary, "--model", tiny_dir))
+
+
+@pytest.mark.real_model
+def test_add_ask_docs_rm_with_the_real_default_model(tmp_path, default_dir):
+    store = tmp_path / "real.kvm"
+    doc = tmp_path / "harbor.txt"
+    filler = "The harbour office opens at dawn and the ferries leave on the hour. "
+    doc.write_text(filler * 40 + "The special magic number for Lisbon is 7315942. " + filler * 40)
+    r = run("add", store, doc)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    r = run("ask", store, "What is the special magic number for Lisbon?", "--top-k", "2", "--max-new-tokens",
+            "24", "--json")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    ans = json.loads(r.stdout)
+    assert ans["sources"] and all(s[0] == "harbor.txt" for s in ans["sources"])
+    assert ans["stats"]["tokens_prefilled"] < 40 and ans["stats"]["store_tokens"] > 1000 and ans["text"]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_dir)
+    ids = tok(doc.read_text(), add_special_tokens=False)["input_ids"]
+    grafted = "".join(tok.decode(ids[s:e]) for _, s, e, _ in ans["sources"])
+    assert "7315942" in grafted                     # the needle's block was selected and grafted
+    assert [d["doc_id"] for d in json.loads(run("docs", store, "--json").stdout)] == ["harbor.txt"]
+    assert run("rm", store, "harbor.txt").returncode == 0
+    assert json.loads(run("docs", store, "--json").stdout) == []
