@@ -73,7 +73,7 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
         qv = keysel.query_vector(mem.model, prelude_ids + q_ids, docs.key_layer, g.kv_heads, g.head_dim)
     else:
         qv = docs.embedder.embed([question])[0]
-    live = {r: (doc_id, rank) for rank, (doc_id, d) in enumerate(manifest.docs.items()) for r in d.rows}
+    live = docs.live_map()
     hits = [(r, s) for r, s in idx.search(qv, 4 * top_k) if r in live][:top_k]
     select_s = time.perf_counter() - t
     meta = store.block_meta([r for r, _ in hits])

@@ -82,6 +82,8 @@ class Documents:
         self._embedder = None
         self._indexes: dict[str, VectorIndex] = {}
         self._prelude = None
+        self._checked: dict[str, int] = {}          # selector -> manifest commit it was validated at
+        self._live: tuple[int, dict] = (-1, {})
 
     # ------------------------------------------------------------------ selectors
     @property
@@ -95,7 +97,10 @@ class Documents:
         """The FAISS index of a selector, loaded from disk, rebuilt from the store if stale."""
         if selector not in SELECTORS:
             raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
+        commit = self.mem.store.manifest.commit
         idx = self._indexes.get(selector)
+        if idx is not None and self._checked.get(selector) == commit:
+            return idx                       # validated at this commit: nothing changed since
         live = self.live_rows()
         if idx is None:
             path = self._index_path(selector)
@@ -107,13 +112,22 @@ class Documents:
         if idx is None or not live <= idx.ids():
             idx = self.rebuild(selector)
         self._indexes[selector] = idx
+        self._checked[selector] = commit
         return idx
 
     def _index_path(self, selector: str) -> Path:
         return self.mem.path / INDEX_DIR / f"{selector}.faiss"
 
+    def live_map(self) -> dict[int, tuple[str, int]]:
+        """Row -> (doc id, deposit rank) of every block of a visible document; rebuilt per commit."""
+        m = self.mem.store.manifest
+        if self._live[0] != m.commit:
+            self._live = (m.commit, {r: (doc_id, rank) for rank, (doc_id, d) in enumerate(m.docs.items())
+                                     for r in d.rows})
+        return self._live[1]
+
     def live_rows(self) -> set[int]:
-        return {r for d in self.mem.store.manifest.docs.values() for r in d.rows}
+        return set(self.live_map())
 
     def vectors(self, selector: str, rows: list[int], kv: list[torch.Tensor] | None = None) -> np.ndarray:
         """Vectors of content blocks (kv: each [L, 2, H, n, D]; read from the store when None)."""
