@@ -1,22 +1,31 @@
-"""QA over stores larger than the window: needle-in-a-haystack and multi-fact questions.
+"""QA over stores larger than the window: needles of four shapes in real prose, at several sizes.
 
-Each size gets a fresh random haystack (shuffled real prose) with fresh needles of three
-shapes (magic number, pass key, a fact about a person) at random depths; every needle is
-asked about. Side by side in one run, on the same questions:
-  full      the whole document in the prompt (only where it fits the model's window)
-  rag       text RAG: the blocks kvmemory selected (text selector), their text re-prefilled
-  kvm-text  kvmemory: the same blocks grafted from the store (MiniLM selector)
-  kvm-keys  kvmemory with the model-internal key selector
-Reports accuracy (answer string in the reply), selection recall (needle inside a selected
-block), time to first token and tokens prefilled per question; writes JSON and a PNG.
+Each size gets fresh random haystacks (shuffled stdlib docstring prose) holding fresh needles
+of four shapes: a magic number, a pass key, a fact about a person, and a two-fact question
+(both facts needed, stated apart). Every needle is asked about. Side by side, on the same
+questions, in one run:
 
-    python benchmarks/bench_qa.py --sizes 6000,32768,131072 --needles 9
+  ceiling   the model given only the gold passage (the blocks holding the needles) as text:
+            separates the model's own weakness from the engine's losses
+  full      the whole document in the prompt (only where it fits the window; prefilled once
+            per haystack, the question appended to a copy of that cache)
+  rag       text RAG: exactly the tokens kvmemory grafted (default settings), re-prefilled
+  kvm-...   kvmemory `ask` with top_k k, recompute r (and without segment expansion: "-noexp")
+
+Also the selection alone: recall@k of each selector (text = dense + BM25 fused, dense, bm25,
+keys): the question's needle(s) inside the k best blocks. And the window's deviation: the KL
+of ask's first-answer-token distribution against rag's (the same window's text re-prefilled).
+Accuracy: every answer string in the reply (case-insensitive), with a 95% Wilson interval.
+
+    python benchmarks/bench_qa.py --sizes 7600,32768,131072 --questions 60
+    python benchmarks/bench_qa.py --sizes 32768 --questions 40 --configs k1,k2,k3,k4,k2-noexp,k2-r0.15 --tag sweep
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -27,135 +36,255 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from haystack import haystack, make_needles  # noqa: E402
+from haystack import SHAPES, haystack, make_questions  # noqa: E402
 from machine import describe  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
+from kvmemory.ask import window_tokens  # noqa: E402
+from kvmemory.config import ASK_RECOMPUTE, ASK_TOP_K  # noqa: E402
+from kvmemory.exactness import kl_divergence  # noqa: E402
+from kvmemory.retrieve import rank_blocks  # noqa: E402
+
+SELECTOR_KS = (1, 2, 4, 8)
+
+
+def parse_config(name: str) -> dict:
+    """'k2', 'k2-r0.15', 'k3-noexp' -> ask() keyword arguments."""
+    out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True}
+    for part in name.split("-"):
+        if part.startswith("k"):
+            out["top_k"] = int(part[1:])
+        elif part.startswith("r"):
+            out["recompute"] = float(part[1:])
+        elif part == "noexp":
+            out["expand"] = False
+        else:
+            raise SystemExit(f"unknown config part {part!r} in {name!r}")
+    return out
 
 
 @torch.inference_mode()
-def greedy(mem, ids: list[int], max_new: int) -> tuple[str, float]:
-    """Prefill ids (block-chunked) and decode greedily; returns (text, time to first token)."""
+def greedy(model, tokenizer, ids: list[int], max_new: int, cache=None, C: int = 256):
+    """Prefill ids (block-chunked) over an optional cache, decode greedily.
+    Returns (text, time to first token, logits of the first answer token)."""
     t = time.perf_counter()
-    cache = kvops.make_cache(None, mem.model.config)
-    logits = None
-    for s in range(0, len(ids), 512):
-        logits = mem.model(input_ids=torch.tensor([ids[s:s + 512]]), past_key_values=cache).logits[0, -1]
+    cache = cache if cache is not None else kvops.make_cache(None, model.config)
+    for s in range(0, len(ids), C):
+        logits = model(input_ids=torch.tensor([ids[s:s + C]]), past_key_values=cache).logits[0, -1]
     ttft = time.perf_counter() - t
-    eos = kvmemory.memory._eos_ids(mem.tokenizer, mem.model)
-    out = []
-    nxt = int(logits.argmax())
-    for _ in range(max_new):
-        if nxt in eos:
-            break
+    first = logits.float().clone()
+    from kvmemory.memory import _eos_ids
+    eos = _eos_ids(tokenizer, model)
+    out, nxt = [], int(logits.argmax())
+    while nxt not in eos and len(out) < max_new:
         out.append(nxt)
-        nxt = int(mem.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1].argmax())
-    return mem.tokenizer.decode(out, skip_special_tokens=True), ttft
+        if len(out) == max_new:
+            break
+        nxt = int(model(input_ids=torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1].argmax())
+    return tokenizer.decode(out, skip_special_tokens=True), ttft, first
 
 
-def correct(reply: str, answer: str) -> bool:
-    return answer.lower() in reply.lower()
+def correct(reply: str, answers) -> bool:
+    return all(a.lower() in reply.lower() for a in answers)
 
 
-def run_size(model, size: int, args, rng: random.Random, work: Path) -> dict:
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 0.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def needle_blocks(tok, text: str, doc_ids: list[int], needle: str, C: int) -> set[int]:
+    """Indices (in the document) of the blocks that hold any token of the needle sentence."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    assert enc["input_ids"] == doc_ids
+    a = text.index(needle)
+    b = a + len(needle)
+    toks = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < b and e > a]
+    return {t // C for t in toks}
+
+
+def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, res: dict, sel: dict,
+            examples: list, doc_no: int) -> dict:
     tok = model[1]
-    needles = make_needles(rng, args.needles)
-    text = haystack(rng, tok, size, needles)
-    mem = kvmemory.Memory(work / f"qa-{size}.kvm", model=model, segment_blocks=args.segment_blocks)
-    doc_ids = tok(text, add_special_tokens=False)["input_ids"]
+    text = haystack(rng, tok, size, questions)
+    mem = kvmemory.Memory(work / f"qa-{size}-{doc_no}.kvm", model=model)
+    from kvmemory.documents import text_ids
+    doc_ids = text_ids(tok, text)
     t = time.perf_counter()
     mem.add(text, doc_id="haystack", progress=True)
     deposit_s = time.perf_counter() - t
+    C = mem.block_tokens
     pre = mem.documents.prelude
+    rows = mem.store.manifest.docs["haystack"].rows
     fits = len(pre.ids) + len(doc_ids) + 64 + args.max_new_tokens <= mem.geometry.max_positions
-    methods = (["full"] if fits else []) + ["rag", "kvm-text", "kvm-keys"]
-    res = {m: {"correct": 0, "recall": 0, "ttft": [], "prefilled": [], "restored": []} for m in methods}
-    examples = []
-    for nd in needles:
-        answers = {}
-        for sel in ("text", "keys"):
-            a = mem.ask(nd.question, top_k=args.top_k, selector=sel, max_new_tokens=args.max_new_tokens)
-            picked = "".join(tok.decode(doc_ids[s:e]) for _, s, e, _ in a.sources)
-            r = res[f"kvm-{sel}"]
-            r["correct"] += correct(a.text, nd.answer)
-            r["recall"] += nd.answer in picked
-            r["ttft"].append(a.stats["timings_s"]["ttft"])
-            r["prefilled"].append(a.stats["tokens_prefilled"])
-            r["restored"].append(a.stats["tokens_restored"])
-            answers[f"kvm-{sel}"] = (a.text, a.sources)
-        # text RAG over exactly the blocks the text selector grafted, in the same order
-        srcs = answers["kvm-text"][1]
-        rag_text = "".join(tok.decode(doc_ids[s:e]) for _, s, e, _ in srcs)
-        ids = pre.ids + tok(rag_text, add_special_tokens=False)["input_ids"] + pre.question_ids(nd.question)
+    full_cache, full_s = None, 0.0
+    if fits and "full" in args.methods:
         t = time.perf_counter()
-        reply, ttft = greedy(mem, ids, args.max_new_tokens)
-        r = res["rag"]
-        r["correct"] += correct(reply, nd.answer)
-        r["recall"] += nd.answer in rag_text
-        r["ttft"].append(ttft)
-        r["prefilled"].append(len(ids))
-        r["restored"].append(0)
-        answers["rag"] = (reply, None)
-        if fits:
-            ids = pre.ids + doc_ids + pre.question_ids(nd.question)
-            reply, ttft = greedy(mem, ids, args.max_new_tokens)
-            r = res["full"]
-            r["correct"] += correct(reply, nd.answer)
-            r["recall"] += 1
-            r["ttft"].append(ttft)
-            r["prefilled"].append(len(ids))
-            r["restored"].append(0)
-            answers["full"] = (reply, None)
-        examples.append({"shape": nd.shape, "question": nd.question, "answer": nd.answer,
-                         "replies": {m: v[0] for m, v in answers.items()}})
-        print(f"  [{size}] {nd.shape:8} {nd.answer:>10}: " +
-              "  ".join(f"{m}={'ok' if correct(v[0], nd.answer) else 'x'}" for m, v in answers.items()),
-              file=sys.stderr)
-    n = len(needles)
-    out = {"size": size, "doc_tokens": len(doc_ids), "deposit_s": deposit_s, "questions": n,
-           "window": mem.geometry.max_positions, "x_window": len(doc_ids) / mem.geometry.max_positions,
-           "methods": {m: {"accuracy": r["correct"] / n, "recall": r["recall"] / n,
-                           "ttft_median_s": statistics.median(r["ttft"]),
-                           "prefilled_median": statistics.median(r["prefilled"]),
-                           "restored_median": statistics.median(r["restored"])} for m, r in res.items()},
-           "examples": examples}
+        full_cache = kvops.make_cache(None, mem.model.config)
+        with torch.inference_mode():
+            ids = pre.ids + doc_ids
+            for s in range(0, len(ids), C):
+                mem.model(input_ids=torch.tensor([ids[s:s + C]]), past_key_values=full_cache)
+        full_s = time.perf_counter() - t
+        base = full_cache.get_seq_length()
+    row_of = {r: i for i, r in enumerate(rows)}
+    for q in questions:
+        gold = [needle_blocks(tok, text, doc_ids, nd, C) for nd in q.needles]
+        q_ids = pre.question_ids(q.question)
+        replies = {}
+        # ---- selection alone
+        for selector in args.selectors:
+            ranked = [row_of[h.row] for h in rank_blocks(mem, mem.documents, q.question, selector, n=max(SELECTOR_KS))]
+            for k in SELECTOR_KS:
+                sel[selector][k] += all(g & set(ranked[:k]) for g in gold)
+        # ---- kvmemory
+        default_window = None
+        for name, kw in configs.items():
+            a = mem.ask(q.question, max_new_tokens=args.max_new_tokens, **kw)
+            picked = tok.decode(window_tokens(mem.store, a.window))
+            r = res[name]
+            ok = correct(a.text, q.answers)
+            r["correct"].append(ok)
+            r["shape"].append(q.shape)
+            r["recall"].append(all(x in picked for x in q.answers))
+            st = a.stats
+            r["ttft"].append(st["timings_s"]["ttft"])
+            r["prefilled"].append(st["tokens_prefilled"])
+            r["restored"].append(st["tokens_restored"])
+            r["recomputed"].append(st["tokens_recomputed"])
+            r["_first"] = a.first_logits
+            replies[name] = a.text
+            if kw["top_k"] == ASK_TOP_K and kw["expand"] and default_window is None:
+                default_window = a.window
+        # ---- text RAG over exactly the default window's tokens
+        if "rag" in args.methods and default_window is not None:
+            ids = pre.ids + window_tokens(mem.store, default_window) + q_ids
+            reply, ttft, first = greedy(mem.model, tok, ids, args.max_new_tokens, C=C)
+            _record(res["rag"], q, reply, all(x in tok.decode(ids) for x in q.answers), ttft, len(ids), 0)
+            replies["rag"] = reply
+            for name, kw in configs.items():
+                if kw["top_k"] == ASK_TOP_K and kw["expand"]:
+                    res[name]["kl"].append(float(kl_divergence(first, res[name]["_first"])))
+        if "ceiling" in args.methods:
+            idx = sorted(set().union(*gold))
+            spans, cur = [], None          # contiguous runs of gold blocks, in document order
+            for i in idx:
+                if cur and cur[1] == i:
+                    cur[1] = i + 1
+                else:
+                    cur = [i, i + 1]
+                    spans.append(cur)
+            gold_ids = [t for a, b in spans for t in doc_ids[a * C:b * C]]
+            ids = pre.ids + gold_ids + q_ids
+            reply, ttft, _ = greedy(mem.model, tok, ids, args.max_new_tokens, C=C)
+            _record(res["ceiling"], q, reply, True, ttft, len(ids), 0)
+            replies["ceiling"] = reply
+        if full_cache is not None:
+            kvops.truncate(full_cache, base)
+            reply, ttft, _ = greedy(mem.model, tok, q_ids, args.max_new_tokens, cache=full_cache, C=C)
+            _record(res["full"], q, reply, True, full_s + ttft, base + len(q_ids), 0)
+            replies["full"] = reply
+        examples.append({"shape": q.shape, "question": q.question, "answers": list(q.answers), "replies": replies})
+        print(f"  [{size}] {q.shape:8} {'/'.join(q.answers):>18}: " +
+              "  ".join(f"{m}={'ok' if correct(v, q.answers) else 'x'}" for m, v in replies.items()),
+              file=sys.stderr, flush=True)
+    out = {"doc_tokens": len(doc_ids), "deposit_s": deposit_s, "full_prefill_s": full_s}
     mem.close()
+    return out
+
+
+def _record(r, q, reply, recall, ttft, prefilled, restored) -> None:
+    r["correct"].append(correct(reply, q.answers))
+    r["shape"].append(q.shape)
+    r["recall"].append(recall)
+    r["ttft"].append(ttft)
+    r["prefilled"].append(prefilled)
+    r["restored"].append(restored)
+    r["recomputed"].append(0)
+
+
+def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
+    per_doc = args.needles_per_doc or min(args.questions, max(8, size // 1024))
+    methods = [m for m in ("ceiling", "full", "rag") if m in args.methods] + list(configs)
+    res = {m: {k: [] for k in ("correct", "shape", "recall", "ttft", "prefilled", "restored", "recomputed", "kl")}
+           for m in methods}
+    sel = {s: {k: 0 for k in SELECTOR_KS} for s in args.selectors}
+    examples, docs, left, n = [], [], args.questions, 0
+    while left > 0:
+        qs = make_questions(rng, min(per_doc, left))
+        docs.append(run_doc(model, size, qs, args, rng, work, configs, res, sel, examples, n))
+        left -= len(qs)
+        n += len(qs)
+    res = {m: r for m, r in res.items() if r["correct"]}
+    out = {"size": size, "doc_tokens": statistics.mean(d["doc_tokens"] for d in docs), "haystacks": len(docs),
+           "questions": n, "deposit_s": sum(d["deposit_s"] for d in docs),
+           "x_window": statistics.mean(d["doc_tokens"] for d in docs) / 8192,
+           "selection_recall": {s: {str(k): v / n for k, v in d.items()} for s, d in sel.items()},
+           "methods": {}, "examples": examples}
+    for m, r in res.items():
+        k = sum(r["correct"])
+        out["methods"][m] = {
+            "accuracy": k / n, "ci95": wilson(k, n), "recall": sum(r["recall"]) / n,
+            "by_shape": {s: sum(c for c, sh in zip(r["correct"], r["shape"]) if sh == s) /
+                         max(1, r["shape"].count(s)) for s in SHAPES},
+            "ttft_median_s": statistics.median(r["ttft"]), "prefilled_median": statistics.median(r["prefilled"]),
+            "restored_median": statistics.median(r["restored"]),
+            "recomputed_median": statistics.median(r["recomputed"]),
+            "kl_vs_rag_median": statistics.median(r["kl"]) if r["kl"] else None,
+            "kl_vs_rag_max": max(r["kl"]) if r["kl"] else None}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="6000,32768,131072")
-    ap.add_argument("--needles", type=int, default=9)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--segment-blocks", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--sizes", default="7600,32768,131072", help="document tokens per haystack, comma-separated")
+    ap.add_argument("--questions", type=int, default=60, help="questions per size (default 60)")
+    ap.add_argument("--needles-per-doc", type=int, default=None,
+                    help="questions per haystack (default: size/1024, at least 8); more haystacks make up the rest")
+    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-r0,k{ASK_TOP_K}-r0.15",
+                    help="ask() settings to compare: kK[-rR][-noexp], comma-separated")
+    ap.add_argument("--methods", default="ceiling,full,rag", help="baselines: ceiling, full, rag")
+    ap.add_argument("--selectors", default="text,dense,bm25,keys", help="selectors whose recall@k is measured")
+    ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh random seed (printed)")
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="where the temporary stores go")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.selectors = [s for s in args.selectors.split(",") if s]
+    configs = {f"kvm-{c}": parse_config(c) for c in args.configs.split(",") if c}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}", file=sys.stderr)
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="bench-qa-", dir=args.dir))
     from kvmemory.config import RuntimeConfig, from_env
     from kvmemory.model import load_model
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
-    rows = [run_size((model, tok), int(s), args, rng, work) for s in args.sizes.split(",")]
+    rows = [run_size((model, tok), int(s), args, rng, work, configs) for s in args.sizes.split(",")]
     machine = describe()
-    from kvmemory.documents import SEGMENT_BLOCKS
     result = {"benchmark": "qa", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": seed,
-              "machine": machine, "top_k": args.top_k, "segment_blocks": args.segment_blocks or SEGMENT_BLOCKS,
-              "rows": rows}
-    print(f"\nQA — SmolLM2-135M-Instruct fp32, top_k={args.top_k}, segment_blocks={result['segment_blocks']}, "
-          f"seed {seed}; {machine['cpu']}, {machine['cores']} cores")
-    print(f"{'doc tokens':>10} {'x win':>6} {'method':>9} {'accuracy':>8} {'recall':>6} {'TTFT s':>7} "
-          f"{'prefilled':>9} {'restored':>8}")
+              "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
+              "command": " ".join(sys.argv), "rows": rows}
+    print(f"\nQA — SmolLM2-135M-Instruct fp32, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
+    print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
+          f"{'TTFT s':>7} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9}")
     for r in rows:
         for m, v in r["methods"].items():
-            print(f"{r['doc_tokens']:10d} {r['x_window']:6.1f} {m:>9} {v['accuracy']:8.0%} {v['recall']:6.0%} "
-                  f"{v['ttft_median_s']:7.2f} {v['prefilled_median']:9.0f} {v['restored_median']:8.0f}")
+            kl = f"{v['kl_vs_rag_median']:.2g}" if v["kl_vs_rag_median"] is not None else "-"
+            print(f"{r['doc_tokens']:10.0f} {r['x_window']:5.1f} {r['questions']:3d} {m:>16} {v['accuracy']:8.0%} "
+                  f"{v['ci95'][0]:5.0%}-{v['ci95'][1]:4.0%} {v['recall']:6.0%} {v['ttft_median_s']:7.2f} "
+                  f"{v['prefilled_median']:9.0f} {v['restored_median']:8.0f} {v['recomputed_median']:6.0f} {kl:>9}")
+    print("\nselection recall@k (needle inside the k best blocks)")
+    for r in rows:
+        for s, d in r["selection_recall"].items():
+            print(f"{r['doc_tokens']:10.0f} {s:>6} " + "  ".join(f"@{k} {v:4.0%}" for k, v in d.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
@@ -170,16 +299,23 @@ def _plot(rows, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    methods = sorted({m for r in rows for m in r["methods"]})
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    methods = list(dict.fromkeys(m for r in rows for m in r["methods"]))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
     for m in methods:
         xs = [r["doc_tokens"] for r in rows if m in r["methods"]]
-        a.plot(xs, [r["methods"][m]["accuracy"] for r in rows if m in r["methods"]], "o-", label=m)
+        acc = [r["methods"][m]["accuracy"] for r in rows if m in r["methods"]]
+        lo = [r["methods"][m]["accuracy"] - r["methods"][m]["ci95"][0] for r in rows if m in r["methods"]]
+        hi = [r["methods"][m]["ci95"][1] - r["methods"][m]["accuracy"] for r in rows if m in r["methods"]]
+        a.errorbar(xs, acc, yerr=[lo, hi], fmt="o-", capsize=3, label=m)
         b.plot(xs, [r["methods"][m]["ttft_median_s"] for r in rows if m in r["methods"]], "o-", label=m)
-    a.set(xscale="log", xlabel="document tokens", ylabel="accuracy", ylim=(-0.05, 1.05), title="QA accuracy")
-    b.set(xscale="log", yscale="log", xlabel="document tokens", ylabel="seconds", title="time to first token")
-    a.legend()
-    b.legend()
+    for s in rows[0]["selection_recall"]:
+        c.plot([r["doc_tokens"] for r in rows], [r["selection_recall"][s][str(ASK_TOP_K)] for r in rows], "o-",
+               label=f"{s} @{ASK_TOP_K}")
+    a.set(xscale="log", xlabel="document tokens", ylabel="accuracy (95% CI)", ylim=(-0.05, 1.05), title="QA accuracy")
+    b.set(xscale="log", yscale="log", xlabel="document tokens", ylabel="seconds", title="time to first token (median)")
+    c.set(xscale="log", xlabel="document tokens", ylabel="recall", ylim=(-0.05, 1.05), title="selection recall")
+    for ax in (a, b, c):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

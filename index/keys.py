@@ -36,7 +36,7 @@ def query_vector(model, token_ids: list[int], layer: int, kv_heads: int, head_di
     attn = model.model.layers[layer].self_attn
     hook = attn.q_proj.register_forward_hook(lambda m, i, o: captured.__setitem__("q", o.detach()))
     try:
-        model.model(input_ids=torch.tensor([token_ids]), use_cache=False)
+        model.model(input_ids=torch.tensor([token_ids], device=model.device), use_cache=False)
     finally:
         hook.remove()
     q = captured["q"][0].float()                                       # [T, n_heads * D]

@@ -1,9 +1,10 @@
 """A FAISS inner-product index of block vectors keyed by block row, persisted beside the store.
 
-Exact search (IndexFlatIP): with C = 256 a million-token store is ~3,900 vectors, which a
-flat index searches in well under a millisecond (see benchmarks/bench_flat_access.py), so
+Exact search (IndexFlatIP): a million-token store is ~4,000 blocks and ~40,000 windows,
+which a flat index searches in a few milliseconds (see benchmarks/bench_flat_access.py), so
 an approximate index would only cost recall. Past `ivf_threshold` vectors the index is
-rebuilt as IVF-Flat (nlist = 4 sqrt(n)), which still supports removal. The file is derived
+rebuilt as IVF-Flat (nlist = 4 sqrt(n), a quarter of the lists probed), which still
+supports removal. The file is derived
 data: written atomically, and rebuilt from the store when missing or stale.
 """
 
@@ -69,7 +70,9 @@ class VectorIndex:
         nlist = int(4 * np.sqrt(n))
         ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(self.dim), self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
         ivf.train(vecs)
-        ivf.nprobe = max(8, nlist // 16)
+        # a quarter of the lists: recall@k, not recall@1, decides what ask grafts, and with few
+        # probes IVF loses most of the top 8 (benchmarks/bench_select.py measures it)
+        ivf.nprobe = max(32, nlist // 4)
         self.index = faiss.IndexIDMap2(ivf)
         self.index.add_with_ids(vecs, ids)
         self.kind = "ivf"

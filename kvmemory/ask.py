@@ -1,8 +1,10 @@
 """ask: select blocks for a question, page them in, graft them into a fixed-size window, answer.
 
-    question -> selector vector -> FAISS top-k -> window.plan -> pager.fetch (one concurrent read)
-             -> gather_blocks (copy; re-rotate keys whose slot differs from their deposit position)
-             -> prefill the question over the window -> greedy answer
+    question -> rank blocks (dense + BM25 windows, fused) -> the top_k, each with its segment
+             prefix (window.plan) -> pager.fetch (one concurrent read) -> gather_blocks (copy;
+             re-rotate keys whose slot differs from their deposit position)
+             -> prefill the question over the window (optionally recomputing a fraction of the
+                window's tokens, blend.py) -> greedy answer
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvmemory import kv as kvops
+from kvmemory.config import ASK_RECOMPUTE, ASK_TOP_K
 from kvmemory.errors import InputError, KVMemoryError, WindowExceededError
-from kvmemory.index import keys as keysel
-from kvmemory.memory import _eos_ids
 from kvmemory.ops import gather_blocks
+from kvmemory.retrieve import check_selector, rank_blocks
 from kvmemory.window import Candidate, WindowPlan, plan
+
+TOP_K, RECOMPUTE = ASK_TOP_K, ASK_RECOMPUTE
 
 
 class EmptyStoreError(KVMemoryError):
@@ -30,10 +33,12 @@ class Answer:
     text: str
     sources: list[tuple[str, int, int, float]]     # (doc_id, start_token, end_token, score), window order
     stats: dict = field(default_factory=dict)
+    window: WindowPlan | None = field(default=None, repr=False)            # what was grafted where
+    first_logits: torch.Tensor | None = field(default=None, repr=False)    # [vocab] of the first answer token
 
 
-def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor):
-    """The window's KV as a transformers cache: prelude, then every slot (re-rotated as needed)."""
+def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The window's KV [L, 2, H, context_tokens, D]: prelude, then every slot (re-rotated as needed)."""
     geo = mem.geometry
     rows = [s.candidate.row for s in window.slots]
     pool, fetch = mem.pager.fetch(rows)                                   # [k, L, 2, H, C, D]
@@ -44,16 +49,69 @@ def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor):
         t = lambda xs: torch.tensor(xs, dtype=torch.long)              # noqa: E731
         gather_blocks(pool, t(list(range(len(rows)))), t([s.candidate.n_tokens for s in window.slots]),
                       t([s.offset for s in window.slots]), t([s.shift for s in window.slots]), out, docs.freqs)
-    return kvops.make_cache(out, mem.model.config), fetch
+    return out, fetch
+
+
+def candidates(mem, docs, ranked, top_k: int, expand: bool) -> tuple[list[Candidate], dict[int, list[Candidate]]]:
+    """Window candidates of the ranked blocks, and (expand) each one's segment prefix."""
+    store, live = mem.store, docs.live_map()
+    C, p = store.manifest.block_tokens, len(docs.prelude.ids)
+    top = ranked[: max(4 * top_k, 16)]
+    meta = store.block_meta([h.row for h in top])
+    firsts = {h.row: int(meta["positions"][i][0]) for i, h in enumerate(top)}
+    cands = [_candidate(live, h.row, firsts[h.row], int(meta["n_tokens"][i]), C, h.score)
+             for i, h in enumerate(top)]
+    context: dict[int, list[Candidate]] = {}
+    if expand:
+        want: dict[int, list[int]] = {}
+        for c in cands[:top_k * 2]:
+            doc_rows = store.manifest.docs[c.doc_id].rows
+            i = live[c.row][2]
+            back = (c.deposit_pos - p) // C                 # blocks before it in its segment
+            want[c.row] = doc_rows[max(0, i - back):i]
+        allrows = sorted({r for v in want.values() for r in v})
+        pm = store.block_meta(allrows)
+        at = {r: j for j, r in enumerate(allrows)}
+        for row, prev in want.items():
+            doc_id = live[row][0]
+            rank = live[row][1]
+            context[row] = [Candidate(r, doc_id, rank, (live[row][2] - len(prev) + j) * C,
+                                      int(pm["n_tokens"][at[r]]), int(pm["positions"][at[r]][0]), 0.0, False)
+                            for j, r in enumerate(prev)]
+    return cands, context
+
+
+def _candidate(live, row: int, deposit_pos: int, n_tokens: int, C: int, score: float) -> Candidate:
+    doc_id, rank, i = live[row]
+    return Candidate(row=row, doc_id=doc_id, doc_rank=rank, doc_start=i * C, n_tokens=n_tokens,
+                     deposit_pos=deposit_pos, score=score)
+
+
+def sources_of(window: WindowPlan) -> list[tuple[str, int, int, float]]:
+    """Contiguous runs of grafted blocks as (doc_id, start, end, best score of a selected block), window order."""
+    out: list[list] = []
+    for s in window.slots:
+        c = s.candidate
+        score = c.score if c.selected else float("-inf")
+        if out and out[-1][0] == c.doc_id and out[-1][2] == c.doc_start:
+            out[-1][2] = c.doc_start + c.n_tokens
+            out[-1][3] = max(out[-1][3], score)
+        else:
+            out.append([c.doc_id, c.doc_start, c.doc_start + c.n_tokens, score])
+    return [(d, a, b, s if s != float("-inf") else 0.0) for d, a, b, s in out]
 
 
 @torch.inference_mode()
-def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_new_tokens: int = 48) -> Answer:
+def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
+        recompute: float = RECOMPUTE, expand: bool = True) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
     if top_k < 1 or max_new_tokens < 1:
         raise InputError(f"top_k and max_new_tokens must be >= 1, got {top_k} and {max_new_tokens}")
+    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise InputError(f"recompute is a fraction of the window's tokens in [0, 1], got {recompute!r}")
+    check_selector(selector)
     store = mem._store()
     store.refresh()
     manifest = store.manifest
@@ -67,38 +125,73 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
                                   f"prelude and {max_new_tokens} answer tokens")
     # ---- selection
     t = time.perf_counter()
-    idx = docs.index(selector)                 # validates the selector before any work
-    if selector == "keys":
-        g = mem.geometry
-        qv = keysel.query_vector(mem.model, prelude_ids + q_ids, docs.key_layer, g.kv_heads, g.head_dim)
-    else:
-        qv = docs.embedder.embed([question])[0]
-    live = docs.live_map()
-    hits = [(r, s) for r, s in idx.search(qv, 4 * top_k) if r in live][:top_k]
+    ranked = rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16))
     select_s = time.perf_counter() - t
-    meta = store.block_meta([r for r, _ in hits])
-    doc_start = _doc_starts(store, [r for r, _ in hits])
-    cands = [Candidate(row=r, doc_id=live[r][0], doc_rank=live[r][1], doc_start=doc_start[r],
-                       n_tokens=int(meta["n_tokens"][i]), deposit_pos=int(meta["positions"][i][0]), score=s)
-             for i, (r, s) in enumerate(hits)]
-    window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k)
+    cands, context = candidates(mem, docs, ranked, top_k, expand)
+    window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)
     # ---- page in and graft
-    if mem.model.device.type == "cuda":      # decode attention through the paged-window kernel
+    device = mem.model.device
+    if device.type == "cuda" and recompute == 0:   # decode attention through the paged-window kernel
         from kvmemory.ops import use_window_attention
         use_window_attention(mem.model)
     t = time.perf_counter()
-    prelude = docs.prelude_kv()
-    cache, fetch = build_window(mem, docs, window, prelude)
+    ctx_kv, fetch = build_window(mem, docs, window, docs.prelude_kv())
     graft_s = time.perf_counter() - t
     # ---- answer
     t = time.perf_counter()
-    out = mem.model(input_ids=torch.tensor([q_ids], device=mem.model.device), past_key_values=cache, use_cache=True)
-    nxt = int(out.logits[0, -1].argmax())
+    recomputed = 0
+    if recompute > 0:
+        from kvmemory.blend import blend_prefill
+        ctx_ids = list(prelude_ids) + window_tokens(store, window)
+        logits, kv, bs = blend_prefill(mem.model, ctx_kv, ctx_ids, q_ids, float(recompute),
+                                       exact_tokens=window.exact_prefix_tokens())
+        recomputed = bs.recomputed
+        cache = kvops.make_cache(kv, mem.model.config)
+    else:
+        cache = kvops.make_cache(ctx_kv, mem.model.config)
+        logits = mem.model(input_ids=torch.tensor([q_ids], device=device), past_key_values=cache,
+                           use_cache=True).logits[0, -1]
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
+    t = time.perf_counter()
+    new = _greedy(mem, cache, logits, max_new_tokens)
+    decode_s = time.perf_counter() - t
+    exact = window.exact_prefix_tokens() - window.prelude_tokens
+    stats = {
+        "selector": selector, "top_k": top_k, "recompute": recompute,
+        "window_tokens": window.context_tokens + len(q_ids) + len(new),
+        "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),
+        "tokens_exact": exact, "tokens_rerotated": sum(s.candidate.n_tokens for s in window.slots if s.shift),
+        "tokens_recomputed": recomputed,
+        "blocks": len(window.slots), "blocks_selected": sum(s.candidate.selected for s in window.slots),
+        "exact_slots": window.exact_slots, "rerotated_slots": len(window.slots) - window.exact_slots,
+        "bytes_read": {"disk": fetch.disk_bytes, "host": fetch.host_bytes},
+        "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk},
+        "tiers": fetch.tiers,
+        "ranking": [{"row": h.row, "score": h.score, "ranks": h.ranks} for h in ranked[:top_k]],
+        "timings_s": {"select": select_s, "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,
+                      "first_token": first_token_s, "ttft": ttft, "decode": decode_s,
+                      "total": time.perf_counter() - t0},
+        "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
+    }
+    return Answer(mem.tokenizer.decode(new, skip_special_tokens=True).strip(), sources_of(window), stats,
+                  window, logits.detach().float().cpu())
+
+
+def window_tokens(store, window: WindowPlan) -> list[int]:
+    """Token ids of the window's slots, in window order."""
+    meta = store.block_meta([s.candidate.row for s in window.slots])
+    out: list[int] = []
+    for i, s in enumerate(window.slots):
+        out += [int(x) for x in meta["tokens"][i][: s.candidate.n_tokens]]
+    return out
+
+
+def _greedy(mem, cache, logits: torch.Tensor, max_new_tokens: int) -> list[int]:
+    from kvmemory.memory import _eos_ids
     eos = _eos_ids(mem.tokenizer, mem.model)
     new: list[int] = []
-    t = time.perf_counter()
+    nxt = int(logits.argmax())
     while nxt not in eos:
         new.append(nxt)
         if len(new) == max_new_tokens:       # no forward pass for a token we would not use
@@ -106,31 +199,4 @@ def ask(mem, docs, question: str, top_k: int = 8, selector: str = "text", max_ne
         out = mem.model(input_ids=torch.tensor([[nxt]], device=mem.model.device), past_key_values=cache,
                         use_cache=True)
         nxt = int(out.logits[0, -1].argmax())
-    decode_s = time.perf_counter() - t
-    sources = [(s.candidate.doc_id, s.candidate.doc_start, s.candidate.doc_start + s.candidate.n_tokens,
-                s.candidate.score) for s in window.slots]
-    stats = {
-        "selector": selector, "window_tokens": window.context_tokens + len(q_ids) + len(new),
-        "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),
-        "blocks": len(window.slots), "exact_slots": window.exact_slots,
-        "rerotated_slots": len(window.slots) - window.exact_slots,
-        "bytes_read": {"disk": fetch.disk_bytes, "host": fetch.host_bytes},
-        "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk},
-        "tiers": fetch.tiers,
-        "timings_s": {"select": select_s, "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,
-                      "first_token": first_token_s, "ttft": ttft, "decode": decode_s,
-                      "total": time.perf_counter() - t0},
-        "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
-    }
-    return Answer(mem.tokenizer.decode(new, skip_special_tokens=True).strip(), sources, stats)
-
-
-def _doc_starts(store, rows: list[int]) -> dict[int, int]:
-    """Token offset of each row within its document (a document's rows are in document order)."""
-    want, out = set(rows), {}
-    for d in store.manifest.docs.values():
-        if want.isdisjoint(d.rows):
-            continue
-        starts = np.concatenate([[0], np.cumsum(store.block_meta(d.rows)["n_tokens"])[:-1]])
-        out.update({r: int(s) for r, s in zip(d.rows, starts) if r in want})
-    return out
+    return new

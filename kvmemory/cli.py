@@ -7,7 +7,9 @@ import json
 import os
 import sys
 
+from kvmemory.config import ASK_RECOMPUTE as RECOMPUTE, ASK_TOP_K as TOP_K
 from kvmemory.errors import KVMemoryError
+from kvmemory.index import SELECTORS
 
 EPILOG = ("Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
           "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget).")
@@ -79,9 +81,16 @@ def _parser() -> argparse.ArgumentParser:
              "and answer. Prints the answer, then the sources (doc id, token range, score) and timings.")
     sp.add_argument("store", metavar="STORE")
     sp.add_argument("question", metavar="QUESTION")
-    sp.add_argument("--top-k", type=int, default=8, metavar="N", help="blocks to graft (default 8)")
-    sp.add_argument("--selector", choices=["text", "keys"], default="text",
-                    help="text: MiniLM embeddings (default); keys: the model's own keys")
+    sp.add_argument("--top-k", type=int, default=None, metavar="N",
+                    help=f"blocks to select (default {TOP_K}); each comes with the blocks before it in its segment")
+    sp.add_argument("--selector", choices=list(SELECTORS), default="text",
+                    help="text: MiniLM windows + BM25, fused (default); dense, bm25: one of them alone; "
+                         "keys: the model's own keys (opt-in, weaker: see README)")
+    sp.add_argument("--recompute", type=float, default=None, metavar="R",
+                    help=f"fraction of the window's tokens to recompute so grafted blocks see each other "
+                         f"(0..1, default {RECOMPUTE}; 1 = re-prefill the window's text)")
+    sp.add_argument("--no-expand", action="store_true",
+                    help="graft only the selected blocks, without the blocks before them in their segment")
     sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
     sp.add_argument("--json", action="store_true", help="print answer, sources and stats as JSON")
     model_arg(sp)
@@ -97,11 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("doc_id", metavar="DOC_ID")
     model_arg(sp)
 
-    sp = add("reindex", "rebuild the FAISS indexes from the store",
-             "Recompute every document block's selection vectors from the store and rewrite the index files "
+    sp = add("reindex", "rebuild the selection indexes from the store",
+             "Recompute every document block's selection entries (MiniLM windows, BM25 terms, key summaries) "
+             "from the store and rewrite the index files "
              "(they are derived data).")
     sp.add_argument("store", metavar="STORE")
-    sp.add_argument("--selector", choices=["text", "keys"], default=None, help="only this selector")
+    sp.add_argument("--selector", choices=list(SELECTORS), default=None,
+                    help="only the indexes this selector needs")
     model_arg(sp)
 
     sp = add("demo", "save real states, restore them, show bit-exactness and restore-vs-recompute time",
@@ -221,7 +232,8 @@ def cmd_add(args) -> int:
 
 def cmd_ask(args) -> int:
     with _open(args, read_only=False) as mem:
-        ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens)
+        ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens,
+                      recompute=args.recompute, expand=not args.no_expand)
     if args.json:
         print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
         return 0

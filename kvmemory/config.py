@@ -90,3 +90,7 @@ def from_env(cls: type, env: dict[str, str] | None = None, **overrides):
                 raise InputError(f"environment variable {var}={env[var]!r} is invalid: {e}") from None
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**kwargs)
+
+# ask()'s defaults, measured in benchmarks/bench_qa.py (accuracy against k and r on fresh draws)
+ASK_TOP_K = 2
+ASK_RECOMPUTE = 0.0

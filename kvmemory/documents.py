@@ -22,13 +22,17 @@ import xxhash
 
 from kvmemory import hashing, kv as kvops
 from kvmemory.errors import InputError, KVMemoryError
-from kvmemory.index import SELECTORS, VectorIndex
+from kvmemory.index import INDEXES, VectorIndex
+from kvmemory.index import windows as win
+from kvmemory.index.lexical import LexicalIndex
 from kvmemory.index import keys as keysel
 from kvmemory.manifest import DocEntry
 from kvmemory.store import NewBlock
 
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
 INDEX_DIR = "index"
+# derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
+INDEX_FILES = {"dense": "dense-w1.faiss", "bm25": "bm25-w2.json", "keys": "keys-w1.faiss"}
 
 
 class DocumentNotFoundError(KVMemoryError, KeyError):
@@ -46,25 +50,42 @@ class DocInfo:
     created: float
 
 
+@dataclass(frozen=True)
+class PromptLayout:
+    """The words around the excerpts. For a 135M model they matter: measured with
+    benchmarks/bench_prompt.py (the model given the gold passage as text, fresh draws)."""
+
+    system: str = "Answer the question using the document excerpts. Be brief."
+    intro: str = "Document excerpts:\n"
+    question: str = "\n\nQuestion: {q}"
+    answer_prefix: str = ""
+
+
 class Prelude:
     """The fixed text before every segment and, at ask time, before the selected blocks, plus
     the text after them that asks the question. Built from the chat template when there is one."""
 
     MARK = "\u0000KVMEMORY-EXCERPTS\u0000"
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, layout: PromptLayout = PromptLayout()) -> None:
         self.tokenizer = tokenizer
+        self.layout = layout
         if getattr(tokenizer, "chat_template", None):
-            msgs = [{"role": "system", "content": "Answer the question using the document excerpts. Be brief."},
-                    {"role": "user", "content": "Document excerpts:\n" + self.MARK + "\n\nQuestion: {q}"}]
+            msgs = [{"role": "system", "content": layout.system},
+                    {"role": "user", "content": layout.intro + self.MARK + layout.question}]
             text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             self.head, self.tail = text.split(self.MARK)
         else:
-            self.head, self.tail = "Document excerpts:\n", "\n\nQuestion: {q}\nAnswer:"
+            self.head, self.tail = layout.intro, layout.question + "\nAnswer:"
         self.ids = tokenizer(self.head, add_special_tokens=False)["input_ids"]
+        before, after = self.tail.split("{q}")
+        # the template's own control tokens are tokens; the question's text stays text
+        self._before = tokenizer(before.rstrip(" "), add_special_tokens=False)["input_ids"]
+        self._after = tokenizer(after + layout.answer_prefix, add_special_tokens=False)["input_ids"]
 
     def question_ids(self, question: str) -> list[int]:
-        return self.tokenizer(self.tail.replace("{q}", question), add_special_tokens=False)["input_ids"]
+        """The tokens after the excerpts: the question (as text) and the opening of the answer."""
+        return self._before + text_ids(self.tokenizer, " " + question.strip()) + self._after
 
 
 class Documents:
@@ -78,14 +99,14 @@ class Documents:
         self.key_layer = keysel.default_layer(geo.layers) if key_layer is None else key_layer
         from kvmemory.rope import inv_freq
         self.freqs = inv_freq(mem.model)
-        self.dims = {"text": 384, "keys": geo.kv_heads * geo.head_dim}
+        self.dims = {"dense": 384, "keys": geo.kv_heads * geo.head_dim}
         self._embedder = None
-        self._indexes: dict[str, VectorIndex] = {}
+        self._indexes: dict = {}                    # kind -> VectorIndex | LexicalIndex
         self._prelude = None
-        self._checked: dict[str, int] = {}          # selector -> manifest commit it was validated at
+        self._checked: dict[str, int] = {}          # index kind -> manifest commit it was validated at
         self._live: tuple[int, dict] = (-1, {})
 
-    # ------------------------------------------------------------------ selectors
+    # ------------------------------------------------------------------ indexes
     @property
     def embedder(self):
         if self._embedder is None:
@@ -93,76 +114,131 @@ class Documents:
             self._embedder = TextEmbedder()
         return self._embedder
 
-    def index(self, selector: str) -> VectorIndex:
-        """The FAISS index of a selector, loaded from disk, rebuilt from the store if stale."""
-        if selector not in SELECTORS:
-            raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
+    def index(self, kind: str):
+        """An index ("dense", "bm25" or "keys"), loaded from disk, rebuilt from the store if stale.
+
+        dense and bm25 hold one entry per window (index/windows.py), keys one per block."""
+        if kind not in INDEXES:
+            raise InputError(f"index must be one of {INDEXES}, got {kind!r}")
         commit = self.mem.store.manifest.commit
-        idx = self._indexes.get(selector)
-        if idx is not None and self._checked.get(selector) == commit:
+        idx = self._indexes.get(kind)
+        if idx is not None and self._checked.get(kind) == commit:
             return idx                       # validated at this commit: nothing changed since
         live = self.live_rows()
         if idx is None:
-            path = self._index_path(selector)
+            path = self._index_path(kind)
             if path.is_file():
                 try:
-                    idx = VectorIndex.load(path, self.dims[selector])
-                except (RuntimeError, ValueError):
+                    idx = LexicalIndex.load(path) if kind == "bm25" else VectorIndex.load(path, self.dims[kind])
+                except (RuntimeError, ValueError, OSError, KeyError):
                     idx = None               # derived data: damaged means rebuild
-        if idx is None or not live <= idx.ids():
-            idx = self.rebuild(selector)
-        self._indexes[selector] = idx
-        self._checked[selector] = commit
+        if idx is None or not live <= {win.row_of(i) for i in idx.ids()}:
+            self.rebuild("keys" if kind == "keys" else "text")
+            idx = self._indexes[kind]
+        self._indexes[kind] = idx
+        self._checked[kind] = commit
         return idx
 
-    def _index_path(self, selector: str) -> Path:
-        return self.mem.path / INDEX_DIR / f"{selector}.faiss"
+    def _index_path(self, kind: str) -> Path:
+        return self.mem.path / INDEX_DIR / INDEX_FILES[kind]
 
-    def live_map(self) -> dict[int, tuple[str, int]]:
-        """Row -> (doc id, deposit rank) of every block of a visible document; rebuilt per commit."""
+    def live_map(self) -> dict[int, tuple[str, int, int]]:
+        """Row -> (doc id, deposit rank, index of the block in the document) of every block of a
+        visible document; rebuilt per commit. A block shared by two documents maps to the first."""
         m = self.mem.store.manifest
         if self._live[0] != m.commit:
-            self._live = (m.commit, {r: (doc_id, rank) for rank, (doc_id, d) in enumerate(m.docs.items())
-                                     for r in d.rows})
+            live: dict[int, tuple[str, int, int]] = {}
+            for rank, (doc_id, d) in enumerate(m.docs.items()):
+                for i, r in enumerate(d.rows):
+                    live.setdefault(r, (doc_id, rank, i))
+            self._live = (m.commit, live)
         return self._live[1]
 
     def live_rows(self) -> set[int]:
         return set(self.live_map())
 
-    def vectors(self, selector: str, rows: list[int], kv: list[torch.Tensor] | None = None) -> np.ndarray:
-        """Vectors of content blocks (kv: each [L, 2, H, n, D]; read from the store when None)."""
+    def windows(self, rows: list[int], leads: list[int | None]) -> tuple[list[int], list[list[int]]]:
+        """The embedding windows of content blocks: (window ids, word pieces of each window).
+
+        leads[i] is the block before rows[i] in its document (None for a document's first
+        block): its last LEAD_PIECES word pieces open the block's first window."""
+        store, tok, emb = self.mem.store, self.mem.tokenizer, self.embedder
+        want = sorted({r for r in rows} | {r for r in leads if r is not None})
+        meta = store.block_meta(want)
+        text = {r: tok.decode([int(t) for t in meta["tokens"][i][:meta["n_tokens"][i]]]) for i, r in enumerate(want)}
+        per_block = win.block_windows(lambda t: emb.pieces(t)[0], [text[r] for r in rows],
+                                      [text[lead] if lead is not None else None for lead in leads])
+        wids, pieces = [], []
+        for r, ws in zip(rows, per_block):
+            wids += [win.window_id(r, w) for w in range(len(ws))]
+            pieces += ws
+        return wids, pieces
+
+    def entries(self, kind: str, rows: list[int], leads: list[int | None] | None = None,
+                kv: list[torch.Tensor] | None = None):
+        """Index entries of content blocks. "text": (window ids, vectors [n, 384], window texts);
+        "keys": (ids, vectors [n, H*D], None) with kv (each [L, 2, H, n, D]) read from the store when None."""
         store = self.mem.store
+        if kind == "text":
+            wids, pieces = self.windows(rows, leads if leads is not None else [None] * len(rows))
+            tok = self.embedder.tokenizer
+            # one block's windows per call: the vectors are then bit-identical on rebuild
+            by_row: dict[int, list[int]] = {}
+            for i, w in enumerate(wids):
+                by_row.setdefault(win.row_of(w), []).append(i)
+            vecs = np.zeros((len(wids), self.dims["dense"]), np.float32)
+            for idx in by_row.values():
+                vecs[idx] = self.embedder.embed_pieces([pieces[i] for i in idx])
+            return wids, vecs, [tok.decode(p) for p in pieces]
         meta = store.block_meta(rows)
-        if selector == "text":
-            texts = [self.mem.tokenizer.decode([int(t) for t in meta["tokens"][i][:meta["n_tokens"][i]]])
-                     for i in range(len(rows))]
-            return self.embedder.embed(texts)
         if kv is None:
             blocks, _ = store.read_kv(rows)
             kv = [kvops.from_storage(blocks[i], self.mem._dtype)[:, :, :, :int(meta["n_tokens"][i])]
                   for i in range(len(rows))]
         out = [keysel.block_vectors(kv[i], list(meta["positions"][i][:int(meta["n_tokens"][i])]), self.key_layer,
                                     self.freqs) for i in range(len(rows))]
-        return np.stack(out) if out else np.zeros((0, self.dims["keys"]), np.float32)
+        vecs = np.stack(out) if out else np.zeros((0, self.dims["keys"]), np.float32)
+        return [win.window_id(r, 0) for r in rows], vecs, None
 
-    def rebuild(self, selector: str, progress=None) -> VectorIndex:
-        """Recompute every live block's vector from the store and write the index."""
-        rows = sorted(self.live_rows())
-        idx = VectorIndex(self.dims[selector])
-        for i in range(0, len(rows), 64):
-            part = rows[i:i + 64]
-            idx.add(part, self.vectors(selector, part))
+    def rebuild(self, what: str, progress=None) -> None:
+        """Recompute the entries of every live block from the store and write the index(es) of
+        `what`: "text" (dense + bm25, the same windows) or "keys"."""
+        m = self.mem.store.manifest
+        seen: set[int] = set()
+        todo: list[tuple[int, int | None]] = []            # (row, lead row), documents in order
+        for d in m.docs.values():
+            for i, r in enumerate(d.rows):
+                if r not in seen:
+                    seen.add(r)
+                    todo.append((r, d.rows[i - 1] if i else None))
+        if what == "keys":
+            idx = VectorIndex(self.dims["keys"])
+            for i in range(0, len(todo), 64):
+                part = [r for r, _ in todo[i:i + 64]]
+                wids, vecs, _ = self.entries("keys", part)
+                idx.add(wids, vecs)
+                if progress is not None:
+                    progress.update(len(part))
+            self._save_index("keys", idx)
+            return
+        dense, lex = VectorIndex(self.dims["dense"]), LexicalIndex()
+        for i in range(0, len(todo), 64):
+            part = todo[i:i + 64]
+            wids, vecs, texts = self.entries("text", [r for r, _ in part], [lead for _, lead in part])
+            dense.add(wids, vecs)
+            lex.add(wids, texts)
             if progress is not None:
                 progress.update(len(part))
-        self._save_index(selector, idx)
-        return idx
+        self._save_index("dense", dense)
+        self._save_index("bm25", lex)
 
-    def _save_index(self, selector: str, idx: VectorIndex) -> None:
+    def _save_index(self, kind: str, idx) -> None:
+        self._indexes[kind] = idx
+        self._checked.pop(kind, None)
         if self.mem.store.read_only:
             return                           # rebuilt in memory; a writable open will persist it
         (self.mem.path / INDEX_DIR).mkdir(exist_ok=True)
-        idx.save(self._index_path(selector))
-        self._indexes[selector] = idx
+        idx.save(self._index_path(kind))
 
     # ------------------------------------------------------------------ deposit
     def _prelude_state(self):
@@ -185,7 +261,7 @@ class Documents:
         mem = self.mem
         store = mem._store()
         text = decode_text(text, source)
-        ids = mem.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = text_ids(mem.tokenizer, text)
         if progress is not None:
             progress.total = len(ids)
             progress.refresh()
@@ -201,7 +277,8 @@ class Documents:
         if p + seg_len > mem.geometry.max_positions:
             raise InputError(f"segments of {seg_len} tokens behind a {p}-token prelude exceed the model's window")
         rows: list[int] = []
-        vecs: dict[str, list[np.ndarray]] = {s: [] for s in SELECTORS}
+        indexed = {win.row_of(i) for i in self.index("dense").ids()} & {win.row_of(i) for i in self.index("keys").ids()}
+        found: dict[str, list] = {"wids": [], "vecs": [], "texts": [], "kwids": [], "kvecs": []}
         parent = bytes.fromhex(prelude.id)
         for s0 in range(0, len(ids), seg_len):
             seg = ids[s0:s0 + seg_len]
@@ -212,16 +289,30 @@ class Documents:
                 cache = prelude.cache()
                 kv = [b for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p)]
                 seg_rows = self._commit_segment(chain, seg, kv, prelude_row, p, C)
+            leads = [rows[-1] if rows else None] + seg_rows[:-1]
+            new = [i for i, r in enumerate(seg_rows) if r not in indexed]   # a shared block is indexed once
+            if new:
+                wids, vecs, texts = self.entries("text", [seg_rows[i] for i in new], [leads[i] for i in new])
+                found["wids"] += wids
+                found["vecs"].append(vecs)
+                found["texts"] += texts
+                kw, kvecs, _ = self.entries("keys", [seg_rows[i] for i in new],
+                                            kv=None if kv is None else [kv[i] for i in new])
+                found["kwids"] += kw
+                found["kvecs"].append(kvecs)
+                indexed.update(seg_rows[i] for i in new)
             rows += seg_rows
-            vecs["keys"].append(self.vectors("keys", seg_rows, kv))
-            vecs["text"].append(self.vectors("text", seg_rows))
             if progress is not None:
                 progress.update(len(seg))
-        # vectors first (extra ids are ignored at query time), the manifest entry last: the commit
-        for sel in SELECTORS:
-            idx = self.index(sel)
-            idx.add(rows, np.concatenate(vecs[sel]))
-            self._save_index(sel, idx)
+        # index entries first (entries of invisible rows are ignored at query time), the manifest
+        # entry last: the commit
+        if found["wids"]:
+            dense, lex, keys = self.index("dense"), self.index("bm25"), self.index("keys")
+            dense.add(found["wids"], np.concatenate(found["vecs"]))
+            lex.add(found["wids"], found["texts"])
+            keys.add(found["kwids"], np.concatenate(found["kvecs"]))
+            for kind, idx in (("dense", dense), ("bm25", lex), ("keys", keys)):
+                self._save_index(kind, idx)
         entry = DocEntry(rows=rows, n_tokens=len(ids), segments=-(-len(ids) // seg_len), source=source,
                          created=time.time())
 
@@ -272,11 +363,18 @@ class Documents:
         store.commit(build)                         # the commit point: invisible from here on
         still = self.live_rows()                    # blocks shared with another document stay indexed
         gone = [r for r in rows if r not in still]
-        for sel in SELECTORS:
-            idx = self.index(sel)
-            idx.remove(gone)
-            self._save_index(sel, idx)
+        gone_rows = set(gone)
+        for kind in INDEXES:
+            idx = self.index(kind)
+            idx.remove([i for i in idx.ids() if win.row_of(i) in gone_rows])
+            self._save_index(kind, idx)
         self.mem._pager_forget(gone)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of document or question text. Control-token spellings in it (`<|im_end|>`) stay
+    text: a document must not be able to close the turn it is quoted in."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def decode_text(text, source: str = "") -> str:

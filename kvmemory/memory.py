@@ -162,16 +162,46 @@ class Memory:
                 raise InputError(f"document {p.name!r} already exists; remove it first")
         return [self.add(b, doc_id=p.name, progress=progress, source=str(p)) for p, b in zip(paths, blobs)]
 
-    def ask(self, question: str, top_k: int = 8, selector: str = "text", max_new_tokens: int = 48):
+    def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
+            recompute: float | None = None, expand: bool = True):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
-        Selects top_k blocks (selector "text": MiniLM embeddings, "keys": the model's own keys),
-        grafts them into a fixed-size window in document order and decodes greedily. With the
-        model on CUDA, blocks are gathered by the gather_blocks kernel and the model's attention
-        is switched to kvmemory's window_attention op (transformers' attention registry).
+        Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
+        "bm25" alone; "keys": the model's own keys), grafts the top_k (default kvmemory.ask.TOP_K)
+        into a fixed-size window in document order, each with the blocks before it in its deposit
+        segment (expand=True), and decodes greedily. recompute (0..1, default kvmemory.ask.RECOMPUTE)
+        recomputes that fraction of the window's tokens (those whose K/V deviate most) so grafted
+        blocks see each other; 1.0 is a full re-prefill of the window's text. With the model on
+        CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
+        attention is switched to kvmemory's window_attention op (transformers' attention registry).
         """
-        from kvmemory.ask import ask
-        return ask(self, self.documents, question, top_k=top_k, selector=selector, max_new_tokens=max_new_tokens)
+        from kvmemory import ask as _ask
+        return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
+                        selector=selector, max_new_tokens=max_new_tokens,
+                        recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand)
+
+    def retrieve(self, question: str, k: int = 4, selector: str = "text") -> list[dict]:
+        """The blocks ask() would select, without generating: [{doc_id, start_token, end_token,
+        score, text}] best first (score: the selector's, higher is better)."""
+        from kvmemory.retrieve import rank_blocks
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        if not isinstance(k, int) or k < 1:
+            raise InputError(f"k must be an integer >= 1, got {k!r}")
+        store = self._store()
+        store.refresh()
+        docs = self.documents
+        ranked = rank_blocks(self, docs, question, selector, n=k)
+        live = docs.live_map()
+        meta = store.block_meta([h.row for h in ranked])
+        C = store.manifest.block_tokens
+        out = []
+        for i, h in enumerate(ranked):
+            n = int(meta["n_tokens"][i])
+            doc_id, _, j = live[h.row]
+            out.append({"doc_id": doc_id, "start_token": j * C, "end_token": j * C + n, "score": h.score,
+                        "text": self.tokenizer.decode([int(t) for t in meta["tokens"][i][:n]])})
+        return out
 
     def docs(self) -> list:
         """Deposited documents, oldest first (DocInfo: doc_id, n_tokens, blocks, segments, source, created)."""
@@ -182,14 +212,16 @@ class Memory:
         self.documents.remove(doc_id)
 
     def reindex(self, selector: str | None = None, progress: bool = False) -> None:
-        """Rebuild the FAISS index(es) from the store (they are derived data)."""
-        from kvmemory.index import SELECTORS
-        for sel in ([selector] if selector else SELECTORS):
-            if sel not in SELECTORS:
-                raise InputError(f"selector must be one of {SELECTORS}, got {sel!r}")
-            bar = _bar(progress, desc=f"reindex {sel}", total=len(self.documents.live_rows()), unit="block")
+        """Rebuild the selection indexes from the store (they are derived data): those `selector`
+        needs, or all of them."""
+        from kvmemory.index import NEEDS, SELECTORS
+        if selector is not None and selector not in SELECTORS:
+            raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
+        kinds = set(NEEDS[selector]) if selector else {"dense", "bm25", "keys"}
+        for what in sorted({"keys" if k == "keys" else "text" for k in kinds}):
+            bar = _bar(progress, desc=f"reindex {what}", total=len(self.documents.live_rows()), unit="block")
             try:
-                self.documents._indexes[sel] = self.documents.rebuild(sel, progress=bar)
+                self.documents.rebuild(what, progress=bar)
             finally:
                 if bar is not None:
                     bar.close()

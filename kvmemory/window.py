@@ -6,7 +6,11 @@ The window the model attends to when answering:
      0..p-1   p..     ...
 
 Selected blocks go into slots in document order (by document, then position in it), packed
-back to back. A block computed at deposit position d and placed at slot position s has its
+back to back. With segment-prefix expansion (`context`), a selected block comes with the
+blocks before it in its deposit segment, down to the segment's start, so it sits after
+exactly the context it was computed with; a run that starts its segment and lands in the
+first slot is then grafted byte for byte, whole. Expansion is budget-aware: when a run does
+not fit whole, it is cut from the front (the selected block itself always comes first). A block computed at deposit position d and placed at slot position s has its
 keys re-rotated by s - d; when s == d (common: a segment's first block lands in slot 0) it
 is grafted byte for byte. The window's size is bounded by the model's positional window, so
 decode cost per token is flat however large the store is.
@@ -26,6 +30,7 @@ class Candidate:
     n_tokens: int
     deposit_pos: int     # absolute position the block was computed at
     score: float
+    selected: bool = True   # False: brought in as context of a selected block (segment prefix)
 
 
 @dataclass(frozen=True)
@@ -59,25 +64,53 @@ class WindowPlan:
     def exact_slots(self) -> int:
         return sum(1 for s in self.slots if s.shift == 0)
 
+    def exact_prefix_tokens(self) -> int:
+        """Tokens from the window's start whose KV is exactly what a re-prefill of the window in
+        block-chunked order computes: the prelude and the leading slots grafted at their deposit
+        positions behind the blocks they were computed after (a segment's run from its start)."""
+        n = self.prelude_tokens
+        for i, s in enumerate(self.slots):
+            c = s.candidate
+            prev = self.slots[i - 1].candidate if i else None
+            follows = (c.deposit_pos == self.prelude_tokens if prev is None else
+                       prev.doc_id == c.doc_id and prev.doc_start + prev.n_tokens == c.doc_start
+                       and prev.deposit_pos + prev.n_tokens == c.deposit_pos)
+            if s.shift != 0 or not follows:
+                break
+            n += c.n_tokens
+        return n
+
 
 def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int, max_new_tokens: int,
-         window_tokens: int, top_k: int) -> WindowPlan:
-    """Take the best-scoring candidates that fit, then lay them out in document order."""
+         window_tokens: int, top_k: int, context: dict[int, list[Candidate]] | None = None) -> WindowPlan:
+    """Take the best-scoring candidates that fit, each with as much of its `context` (row -> the
+    blocks before it in its segment, in document order) as fits, then lay all out in document order."""
     budget = window_tokens - prelude_tokens - question_tokens - max_new_tokens
     if budget < 0:
         raise ValueError(f"the question ({question_tokens} tokens) and answer ({max_new_tokens}) do not fit the "
                          f"window of {window_tokens} tokens")
-    chosen, used, seen = [], 0, set()
+    chosen: dict[int, Candidate] = {}
+    used, picked = 0, 0
     for c in sorted(candidates, key=lambda c: -c.score):
-        if len(chosen) == top_k:
+        if picked == top_k:
             break
-        if c.row in seen or used + c.n_tokens > budget:
+        if c.row in chosen and chosen[c.row].selected:
             continue
-        chosen.append(c)
-        seen.add(c.row)
-        used += c.n_tokens
+        if c.row not in chosen:
+            if used + c.n_tokens > budget:
+                continue
+            used += c.n_tokens
+        chosen[c.row] = c                     # a context block that was selected itself counts as selected
+        picked += 1
+        for p in reversed((context or {}).get(c.row, [])):     # nearest first: cut from the front
+            if p.row in chosen:
+                continue
+            if used + p.n_tokens > budget:
+                break
+            chosen[p.row] = Candidate(**{**p.__dict__, "selected": False})
+            used += p.n_tokens
     slots, pos = [], prelude_tokens
-    for c in sorted(chosen, key=lambda c: (c.doc_rank, c.doc_start)):
+    for c in sorted(chosen.values(), key=lambda c: (c.doc_rank, c.doc_start)):
         slots.append(Slot(c, pos, pos))
         pos += c.n_tokens
     return WindowPlan(prelude_tokens, tuple(slots), question_tokens, max_new_tokens)

@@ -125,10 +125,13 @@ def test_add_ask_docs_rm_reindex(tmp_path, tiny_dir):
     docs = json.loads(run("docs", store, "--json").stdout)
     assert [d["doc_id"] for d in docs] == ["alpha.txt", "beta.md"] and all(d["blocks"] >= 1 for d in docs)
     r = run("ask", store, "Where are the copper lanterns?", "--model", tiny_dir, "--top-k", "2",
-            "--max-new-tokens", "3", "--json")
+            "--max-new-tokens", "3", "--no-expand", "--json")
     assert r.returncode == 0, r.stderr
     ans = json.loads(r.stdout)
-    assert len(ans["sources"]) == 2 and ans["stats"]["tokens_prefilled"] > 0
+    assert ans["stats"]["blocks_selected"] == ans["stats"]["blocks"] == 2 and ans["stats"]["tokens_prefilled"] > 0
+    assert 1 <= len(ans["sources"]) <= 2
+    r = run("ask", store, "Where are the copper lanterns?", "--model", tiny_dir, "--recompute", "2")
+    assert r.returncode == 1 and "recompute" in _one_line_error(r)
     r = run("ask", store, "Where?", "--model", tiny_dir, "--top-k", "1", "--max-new-tokens", "2")
     assert r.returncode == 0 and b"TTFT" in r.stdout
     assert run("reindex", store, "--model", tiny_dir).returncode == 0

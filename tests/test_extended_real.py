@@ -65,7 +65,8 @@ def test_e3_native_slot_graft_is_the_stored_state_exactly(tmp_path, real_model):
         q = docs.prelude.question_ids("Who logs the ships?")
         w = plan([c], len(docs.prelude.ids), len(q), 8, 8192, 1)
         assert w.slots[0].shift == 0
-        cache, _ = build_window(mem, docs, w, docs.prelude_kv())
+        kv, _ = build_window(mem, docs, w, docs.prelude_kv())
+        cache = kvops.make_cache(kv, mem.model.config)
         chain = mem.store.chain(row)
         stored = kvops.make_cache(mem._read_chain(chain), mem.model.config)
         with torch.inference_mode():
@@ -92,3 +93,60 @@ def test_text_selector_finds_the_needle_block(tmp_path, real_model):
         print(f"\nneedle answer {code!r}: reply {ans.text!r}; stats {ans.stats['timings_s']}")
         assert code in picked
         assert ans.stats["tokens_prefilled"] < 40 and ans.stats["store_tokens"] == info.n_tokens
+
+
+def _log_doc(r: random.Random, n: int, needle: str, at: int) -> str:
+    filler = ["The harbour master logs every ship that enters the bay.", "Gulls circle the fish market at dawn.",
+              "A ferry leaves for the islands twice a day.", "The lighthouse keeper paints the rail each spring.",
+              "Fog rolls in from the sea on autumn evenings.", "Traders weigh the catch on brass scales."]
+    parts = [r.choice(filler) for _ in range(n)]
+    parts.insert(at, needle)
+    return " ".join(parts)
+
+
+def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exactly(tmp_path, real_model):
+    """A selected block deep in its segment comes with the blocks before it; grafted at their deposit
+    positions, the window is byte for byte the stored chain: logits equal (KL 0)."""
+    r = random.Random()
+    with kvmemory.Memory(tmp_path / "x.kvm", model=real_model) as mem:
+        text = _log_doc(r, 150, "The quartermaster's zyxquor token is 5581.", 100)
+        mem.add(text, doc_id="log")
+        ans = mem.ask("What is the zyxquor token?", top_k=1, selector="bm25", max_new_tokens=8)
+        st = ans.stats
+        rows = mem.store.manifest.docs["log"].rows
+        assert st["blocks_selected"] == 1 and st["blocks"] >= 2          # it brought its segment prefix
+        assert st["tokens_exact"] == st["tokens_restored"] - len(mem.documents.prelude.ids)
+        assert st["tokens_rerotated"] == 0 and st["tokens_recomputed"] == 0
+        last = ans.window.slots[-1].candidate.row
+        assert last in rows and ans.sources[0][1] == 0
+        stored = kvops.make_cache(mem._read_chain(mem.store.chain(last)), mem.model.config)
+        q = mem.documents.prelude.question_ids("What is the zyxquor token?")
+        with torch.inference_mode():
+            ref = mem.model(input_ids=torch.tensor([q]), past_key_values=stored).logits[0, -1]
+        assert torch.equal(ans.first_logits, ref.float())
+        print(f"\nexpansion: {st['blocks']} blocks grafted exactly; reply {ans.text!r}")
+
+
+def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model):
+    """r = 1.0 recomputes every window token: the window's text re-prefilled in one pass. r = 0
+    (pure graft, blocks from different segments side by side) deviates measurably."""
+    r = random.Random()
+    with kvmemory.Memory(tmp_path / "y.kvm", model=real_model) as mem:
+        text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
+        mem.add(text, doc_id="log")
+        q = "What is the zyxquor token of the harbour?"
+        full = mem.ask(q, top_k=3, recompute=1.0, expand=False, max_new_tokens=8)
+        graft = mem.ask(q, top_k=3, recompute=0.0, expand=False, max_new_tokens=8)
+        assert [s.candidate.row for s in full.window.slots] == [s.candidate.row for s in graft.window.slots]
+        assert full.stats["rerotated_slots"] >= 1
+        from kvmemory.ask import window_tokens
+        ids = mem.documents.prelude.ids + window_tokens(mem.store, full.window) + \
+            mem.documents.prelude.question_ids(q)
+        with torch.inference_mode():
+            ref = mem.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        kl_full, kl_graft = kl_divergence(ref, full.first_logits), kl_divergence(ref, graft.first_logits)
+        print(f"\nKL vs re-prefill: r=1 {kl_full:.2g} (max |dlogit| {max_abs_diff(ref, full.first_logits):.2g}), "
+              f"r=0 {kl_graft:.2g}")
+        torch.testing.assert_close(full.first_logits, ref, atol=2e-3, rtol=1e-4)
+        assert kl_full < 1e-6 and kl_full < kl_graft
+        assert full.stats["tokens_recomputed"] == full.stats["tokens_restored"]

@@ -1,0 +1,129 @@
+"""Selection recall at scale: does the ranking put the needle's block in the top k?
+
+Selection does not read KV, so this measures it on stores far larger than a CPU can prefill
+in a session: the haystack is tokenized and cut into blocks exactly as a deposit cuts it
+(C = 256 tokens), each block is cut into windows and indexed exactly as Documents does
+(index/windows.py, MiniLM, BM25), and fresh questions of bench_qa.py's four shapes are
+ranked with each selector. The key selector needs the blocks' KV: it is measured by
+bench_qa.py only. Also: recall of an IVF index (the one VectorIndex switches to past its
+threshold) against the exact index on the same windows, and the fusion weights.
+
+    python benchmarks/bench_select.py --sizes 131072,1048576 --questions 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qa import needle_blocks  # noqa: E402
+from haystack import haystack, make_questions  # noqa: E402
+from machine import describe  # noqa: E402
+
+from kvmemory.documents import text_ids  # noqa: E402
+from kvmemory.index import VectorIndex  # noqa: E402
+from kvmemory.index import windows as win  # noqa: E402
+from kvmemory.index.embedder import TextEmbedder  # noqa: E402
+from kvmemory.index.fusion import best_per_block, rrf  # noqa: E402
+from kvmemory.index.lexical import LexicalIndex  # noqa: E402
+from kvmemory.retrieve import MIN_POOL, WINDOWS_PER_BLOCK  # noqa: E402
+
+KS = (1, 2, 4, 8)
+C = 256
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="131072,1048576")
+    ap.add_argument("--questions", type=int, default=60)
+    ap.add_argument("--weights", default="1:1,0.3:1:10,0.1:1",
+                    help="dense:bm25[:k] fusion weights (and RRF constant, default 60) to compare")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}", file=sys.stderr)
+    rng = random.Random(seed)
+    from transformers import AutoTokenizer
+
+    from kvmemory.config import RuntimeConfig, from_env
+    from kvmemory.model import default_model_dir
+    tok = AutoTokenizer.from_pretrained(default_model_dir(from_env(RuntimeConfig).resolved_cache_dir()))
+    emb = TextEmbedder()
+    weights = [tuple(float(x) for x in w.split(":")) for w in args.weights.split(",")]
+    weights = [w if len(w) == 3 else (*w, 60.0) for w in weights]        # dense:bm25[:rrf k]
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        qs = make_questions(rng, args.questions)
+        text = haystack(rng, tok, size, qs)
+        ids = text_ids(tok, text)
+        blocks = [tok.decode(ids[i:i + C]) for i in range(0, len(ids), C)]
+        t = time.perf_counter()
+        per_block = win.block_windows(lambda s: emb.pieces(s)[0], blocks, [None] + blocks[:-1])
+        wids = [win.window_id(r, w) for r, ws in enumerate(per_block) for w in range(len(ws))]
+        pieces = [p for ws in per_block for p in ws]
+        dense = VectorIndex(384)
+        vecs = np.concatenate([emb.embed_pieces(ws) for ws in per_block if ws])    # per block, as a deposit
+        dense.add(wids, vecs)
+        embed_s = time.perf_counter() - t
+        t = time.perf_counter()
+        lex = LexicalIndex()
+        lex.add(wids, [emb.tokenizer.decode(p) for p in pieces])
+        lex.search("warm up", 1)
+        bm25_s = time.perf_counter() - t
+        ivf = VectorIndex(384, ivf_threshold=0)
+        ivf.add(wids, vecs)
+        methods = ["dense", "bm25", "ivf"] + [f"rrf {a:g}:{b:g}:{k:g}" for a, b, k in weights]
+        hit = {m: {k: 0 for k in KS} for m in methods}
+        pool = max(MIN_POOL, max(KS) * WINDOWS_PER_BLOCK)
+        lat = {"dense": [], "bm25": [], "ivf": []}
+        for q in qs:
+            gold = [needle_blocks(tok, text, ids, nd, C) for nd in q.needles]
+            t = time.perf_counter()
+            qv = emb.embed([q.question])[0]
+            d = [r for r, _ in best_per_block(dense.search(qv, pool), win.row_of)]
+            lat["dense"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            b = [r for r, _ in best_per_block(lex.search(q.question, pool), win.row_of)]
+            lat["bm25"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            v = [r for r, _ in best_per_block(ivf.search(qv, pool), win.row_of)]
+            lat["ivf"].append(time.perf_counter() - t)
+            ranked = {"dense": d, "bm25": b, "ivf": v}
+            for a, bw, rk in weights:
+                ranked[f"rrf {a:g}:{bw:g}:{rk:g}"] = [r for r, _ in rrf([d, b], k=int(rk), weights=[a, bw])]
+            for m, order in ranked.items():
+                for k in KS:
+                    hit[m][k] += all(g & set(order[:k]) for g in gold)
+        n = len(qs)
+        row = {"size": size, "doc_tokens": len(ids), "blocks": len(blocks), "windows": len(wids), "questions": n,
+               "embed_s": embed_s, "bm25_build_s": bm25_s,
+               "recall": {m: {str(k): v / n for k, v in d.items()} for m, d in hit.items()},
+               "latency_ms_median": {m: 1000 * statistics.median(v) for m, v in lat.items()}}
+        rows.append(row)
+        print(f"\n{len(ids):,} tokens, {len(blocks):,} blocks, {len(wids):,} windows (embedded in {embed_s:.0f} s, "
+              f"BM25 built in {bm25_s:.2f} s), {n} questions")
+        for m in methods:
+            lt = f"  {row['latency_ms_median'][m]:.1f} ms" if m in lat else ""
+            print(f"  {m:>12} " + "  ".join(f"@{k} {hit[m][k] / n:4.0%}" for k in KS) + lt)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
+    (out / f"select-{stamp}.json").write_text(json.dumps(
+        {"benchmark": "select", "seed": seed, "machine": describe(), "command": " ".join(sys.argv), "rows": rows},
+        indent=1))
+    print(f"wrote {out}/select-{stamp}.json")
+
+
+if __name__ == "__main__":
+    main()
