@@ -30,6 +30,8 @@ import kvmemory  # noqa: E402
 from kvmemory import hashing  # noqa: E402
 from kvmemory.documents import SEGMENT_BLOCKS  # noqa: E402
 from kvmemory.index import VectorIndex  # noqa: E402
+from kvmemory.index import windows as win  # noqa: E402
+from kvmemory.index.lexical import LexicalIndex  # noqa: E402
 from kvmemory.manifest import DocEntry  # noqa: E402
 from kvmemory.store import NewBlock  # noqa: E402
 
@@ -77,14 +79,26 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
             flush()
     if batch:
         flush()
-    vecs = rng.standard_normal((len(rows), 384)).astype(np.float32)
-    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-    idx = VectorIndex(384)
-    idx.add(rows, vecs)
-    docs._save_index("text", idx)
+    # the indexes as a deposit lays them out: ~10 dense windows a block (random unit vectors stand
+    # in for MiniLM), BM25 over the blocks' real (random-token) text cut into as many windows,
+    # one key summary a block
+    meta = store.block_meta(rows)
+    wids, texts = [], []
+    for i, r in enumerate(rows):
+        words = mem.tokenizer.decode([int(t) for t in meta["tokens"][i][:meta["n_tokens"][i]]]).split()
+        for w in range(10):
+            wids.append(win.window_id(r, w))
+            texts.append(" ".join(words[w * len(words) // 10:(w + 2) * len(words) // 10]))
+    vecs = rng.standard_normal((len(wids), 384)).astype(np.float32)
+    dense = VectorIndex(384)
+    dense.add(wids, vecs / np.linalg.norm(vecs, axis=1, keepdims=True))
+    docs._save_index("dense", dense)
+    lex = LexicalIndex()
+    lex.add(wids, texts)
+    docs._save_index("bm25", lex)
     keys = VectorIndex(docs.dims["keys"])
     kv_vecs = rng.standard_normal((len(rows), docs.dims["keys"])).astype(np.float32)
-    keys.add(rows, kv_vecs / np.linalg.norm(kv_vecs, axis=1, keepdims=True))
+    keys.add([win.window_id(r, 0) for r in rows], kv_vecs / np.linalg.norm(kv_vecs, axis=1, keepdims=True))
     docs._save_index("keys", keys)
     store.commit(lambda s: ([], {}, {"synthetic": DocEntry(rows=rows, n_tokens=n_tokens,
                                                            segments=-(-n_tokens // seg_len))}, ()))

@@ -2,14 +2,16 @@
 
 Each size gets fresh random haystacks (shuffled stdlib docstring prose) holding fresh needles
 of four shapes: a magic number, a pass key, a fact about a person, and a two-fact question
-(both facts needed, stated apart). Every needle is asked about. Side by side, on the same
+(both facts needed, stated apart). Every needle is asked about. A fifth of the questions are
+about the real prose itself ("real"): a sentence of the haystack quoted with one word blanked
+out, a word that occurs nowhere else in the haystack. Side by side, on the same
 questions, in one run:
 
   ceiling   the model given only the gold passage (the blocks holding the needles) as text:
             separates the model's own weakness from the engine's losses
   full      the whole document in the prompt (only where it fits the window; prefilled once
             per haystack, the question appended to a copy of that cache)
-  rag       text RAG: exactly the tokens kvmemory grafted (default settings), re-prefilled
+  rag       text RAG: exactly the tokens kvmemory grafted (first of --configs), re-prefilled
   kvm-...   kvmemory `ask` with top_k k, recompute r (and without segment expansion: "-noexp")
 
 Also the selection alone: recall@k of each selector (text = dense + BM25 fused, dense, bm25,
@@ -36,13 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from haystack import SHAPES, haystack, make_questions  # noqa: E402
+from haystack import SHAPES, haystack, make_questions, real_questions  # noqa: E402
 from machine import describe  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.ask import window_tokens  # noqa: E402
-from kvmemory.config import ASK_RECOMPUTE, ASK_TOP_K  # noqa: E402
+from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K  # noqa: E402
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
 
@@ -50,11 +52,13 @@ SELECTOR_KS = (1, 2, 4, 8)
 
 
 def parse_config(name: str) -> dict:
-    """'k2', 'k2-r0.15', 'k3-noexp' -> ask() keyword arguments."""
-    out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True}
+    """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75' -> ask() keyword arguments (c: min_relevance)."""
+    out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE}
     for part in name.split("-"):
         if part.startswith("k"):
             out["top_k"] = int(part[1:])
+        elif part.startswith("c"):
+            out["min_relevance"] = float(part[1:])
         elif part.startswith("r"):
             out["recompute"] = float(part[1:])
         elif part == "noexp":
@@ -110,9 +114,10 @@ def needle_blocks(tok, text: str, doc_ids: list[int], needle: str, C: int) -> se
 
 
 def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, res: dict, sel: dict,
-            examples: list, doc_no: int) -> dict:
+            examples: list, doc_no: int, n_real: int = 0) -> dict:
     tok = model[1]
     text = haystack(rng, tok, size, questions)
+    questions = questions + real_questions(rng, text, n_real)
     mem = kvmemory.Memory(work / f"qa-{size}-{doc_no}.kvm", model=model)
     from kvmemory.documents import text_ids
     doc_ids = text_ids(tok, text)
@@ -159,17 +164,18 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
             r["restored"].append(st["tokens_restored"])
             r["recomputed"].append(st["tokens_recomputed"])
             r["_first"] = a.first_logits
+            r["_window"] = a.window.slots
             replies[name] = a.text
-            if kw["top_k"] == ASK_TOP_K and kw["expand"] and default_window is None:
+            if name == next(iter(configs)):
                 default_window = a.window
-        # ---- text RAG over exactly the default window's tokens
+        # ---- text RAG over exactly the tokens of the first config's window
         if "rag" in args.methods and default_window is not None:
             ids = pre.ids + window_tokens(mem.store, default_window) + q_ids
             reply, ttft, first = greedy(mem.model, tok, ids, args.max_new_tokens, C=C)
             _record(res["rag"], q, reply, all(x in tok.decode(ids) for x in q.answers), ttft, len(ids), 0)
             replies["rag"] = reply
-            for name, kw in configs.items():
-                if kw["top_k"] == ASK_TOP_K and kw["expand"]:
+            for name in configs:
+                if res[name]["_window"] == default_window.slots:     # KL only where the window is the same
                     res[name]["kl"].append(float(kl_divergence(first, res[name]["_first"])))
         if "ceiling" in args.methods:
             idx = sorted(set().union(*gold))
@@ -217,10 +223,13 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
     sel = {s: {k: 0 for k in SELECTOR_KS} for s in args.selectors}
     examples, docs, left, n = [], [], args.questions, 0
     while left > 0:
-        qs = make_questions(rng, min(per_doc, left))
-        docs.append(run_doc(model, size, qs, args, rng, work, configs, res, sel, examples, n))
-        left -= len(qs)
-        n += len(qs)
+        take = min(per_doc, left)
+        n_real = take // len(SHAPES)                   # one in five questions is about the real prose
+        qs = make_questions(rng, take - n_real)
+        docs.append(run_doc(model, size, qs, args, rng, work, configs, res, sel, examples, n, n_real))
+        got = len(examples) - n
+        left -= got if got else take                   # a haystack short of real sentences: move on
+        n = len(examples)
     res = {m: r for m, r in res.items() if r["correct"]}
     out = {"size": size, "doc_tokens": statistics.mean(d["doc_tokens"] for d in docs), "haystacks": len(docs),
            "questions": n, "deposit_s": sum(d["deposit_s"] for d in docs),

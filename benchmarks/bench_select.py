@@ -4,7 +4,7 @@ Selection does not read KV, so this measures it on stores far larger than a CPU 
 in a session: the haystack is tokenized and cut into blocks exactly as a deposit cuts it
 (C = 256 tokens), each block is cut into windows and indexed exactly as Documents does
 (index/windows.py, MiniLM, BM25), and fresh questions of bench_qa.py's four shapes are
-ranked with each selector. The key selector needs the blocks' KV: it is measured by
+ranked with each selector (a fifth of them about the haystack's real prose). The key selector needs the blocks' KV: it is measured by
 bench_qa.py only. Also: recall of an IVF index (the one VectorIndex switches to past its
 threshold) against the exact index on the same windows, and the fusion weights.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import needle_blocks  # noqa: E402
-from haystack import haystack, make_questions  # noqa: E402
+from haystack import haystack, make_questions, real_questions  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvmemory.documents import text_ids  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="131072,1048576")
     ap.add_argument("--questions", type=int, default=60)
-    ap.add_argument("--weights", default="1:1,0.3:1:10,0.1:1",
+    ap.add_argument("--weights", default="0.05:1:10,0.3:1:10,1:1",
                     help="dense:bm25[:k] fusion weights (and RRF constant, default 60) to compare")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
@@ -64,8 +64,9 @@ def main() -> None:
     weights = [w if len(w) == 3 else (*w, 60.0) for w in weights]        # dense:bm25[:rrf k]
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
-        qs = make_questions(rng, args.questions)
+        qs = make_questions(rng, args.questions - args.questions // 5)
         text = haystack(rng, tok, size, qs)
+        qs += real_questions(rng, text, args.questions // 5)      # about the real prose, as bench_qa.py
         ids = text_ids(tok, text)
         blocks = [tok.decode(ids[i:i + C]) for i in range(0, len(ids), C)]
         t = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import os
 import random
+import re
 from dataclasses import dataclass
 
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dakar", "Perth", "Riga", "Accra",
@@ -24,7 +25,8 @@ LAST = ["Moreno", "Haddad", "Wei", "Okafor", "Yilmaz", "Nasser", "Petrov", "Sato
         "Fischer", "Rossi", "Dubois", "Silva", "Larsen", "Horvat", "Tanaka", "Costa", "Berg"]
 COLOURS = ["crimson", "teal", "amber", "violet", "olive", "maroon", "indigo", "coral", "azure", "ochre"]
 JOBS = ["baker", "nurse", "pilot", "carpenter", "librarian", "chemist", "tailor", "plumber"]
-SHAPES = ("number", "passkey", "fact", "multi")
+SHAPES = ("number", "passkey", "fact", "multi", "real")
+NEEDLE_SHAPES = SHAPES[:4]
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,13 @@ def paragraphs(rng: random.Random, min_chars: int = 200) -> list[str]:
 
 
 def make_questions(rng: random.Random, n: int) -> list[Question]:
-    """n questions cycling through SHAPES, with keys unique within the draw."""
+    """n needle questions cycling through NEEDLE_SHAPES, with keys unique within the draw."""
     cities = rng.sample(CITIES, len(CITIES))
     people = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], len(FIRST) * len(LAST))
     city, person = iter(cities), iter(people)
     out = []
     for i in range(n):
-        shape = SHAPES[i % len(SHAPES)]
+        shape = NEEDLE_SHAPES[i % len(NEEDLE_SHAPES)]
         if shape == "number":
             v, c = str(rng.randrange(1_000_000, 9_999_999)), next(city)
             out.append(Question(shape, (f"The special magic number for {c} is {v}.",),
@@ -84,21 +86,47 @@ def make_questions(rng: random.Random, n: int) -> list[Question]:
 
 
 def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Question]) -> str:
-    """About n_tokens of shuffled prose with every needle at a random depth (a paragraph boundary)."""
+    """n_tokens (give or take a paragraph) of shuffled prose with every needle at a random depth
+    (a paragraph boundary). The prose is cut to size before the needles go in, so none is lost."""
     paras = paragraphs(rng)
+    needles = [nd for q in questions for nd in q.needles]
+    room = n_tokens - sum(len(tokenizer(nd, add_special_tokens=False)["input_ids"]) + 1 for nd in needles)
     chosen, total, i = [], 0, 0
-    while total < n_tokens:
+    while True:
         p = paras[i % len(paras)]
-        i += 1
+        n = len(tokenizer("\n\n" + p, add_special_tokens=False)["input_ids"])
+        if total + n > room:
+            break
         chosen.append(p)
-        total += len(p) // 4      # ~4 characters a token; trimmed below
-    for q in questions:
-        for nd in q.needles:
-            chosen.insert(rng.randrange(len(chosen) + 1), nd)
-    text = "\n\n".join(chosen)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > n_tokens:       # trim from the end, keeping every needle
-        cut = tokenizer.decode(ids[:n_tokens])
-        if all(nd in cut for q in questions for nd in q.needles):
-            text = cut
-    return text
+        total += n
+        i += 1
+    for nd in needles:
+        chosen.insert(rng.randrange(len(chosen) + 1), nd)
+    return "\n\n".join(chosen)
+
+
+_SENTENCE = re.compile(r"(?<![\w.])[A-Z][A-Za-z0-9 ,;:'-]{30,300}[.!?](?=\s)")   # prose, not code
+_WORD = re.compile(r"[A-Za-z]{6,}")
+
+
+def real_questions(rng: random.Random, text: str, n: int) -> list[Question]:
+    """Questions about the haystack's own prose, not inserted needles: a sentence of the text is
+    quoted with one word blanked out, and the word is the answer. The sentence occurs once, and
+    the word (6+ letters) occurs nowhere else in the text: only that sentence answers it."""
+    low = text.lower()
+    counts: dict[str, int] = {}
+    for m in _SENTENCE.finditer(text):
+        counts[m.group(0)] = counts.get(m.group(0), 0) + 1
+    pool = []
+    for sent, c in counts.items():
+        if c != 1 or not 8 <= len(sent.split()) <= 40:
+            continue
+        words = [w for w in _WORD.findall(sent[1:]) if len(re.findall(rf"\b{w.lower()}\b", low)) == 1]
+        if words:
+            pool.append((sent, rng.choice(words)))
+    rng.shuffle(pool)
+    out = []
+    for sent, word in pool[:n]:
+        blank = re.sub(rf"\b{word}\b", "___", sent, count=1)
+        out.append(Question("real", (sent,), f'Which word is missing here: "{blank}"', (word,)))
+    return out

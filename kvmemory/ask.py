@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.config import ASK_RECOMPUTE, ASK_TOP_K
+from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K
 from kvmemory.errors import InputError, KVMemoryError, WindowExceededError
 from kvmemory.ops import gather_blocks
-from kvmemory.retrieve import check_selector, rank_blocks
+from kvmemory.retrieve import check_selector, rank_blocks, relevant
 from kvmemory.window import Candidate, WindowPlan, plan
 
-TOP_K, RECOMPUTE = ASK_TOP_K, ASK_RECOMPUTE
+TOP_K, RECOMPUTE, MIN_RELEVANCE = ASK_TOP_K, ASK_RECOMPUTE, ASK_MIN_RELEVANCE
 
 
 class EmptyStoreError(KVMemoryError):
@@ -103,12 +103,14 @@ def sources_of(window: WindowPlan) -> list[tuple[str, int, int, float]]:
 
 @torch.inference_mode()
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
-        recompute: float = RECOMPUTE, expand: bool = True) -> Answer:
+        recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
     if top_k < 1 or max_new_tokens < 1:
         raise InputError(f"top_k and max_new_tokens must be >= 1, got {top_k} and {max_new_tokens}")
+    if not isinstance(min_relevance, (int, float)) or not 0.0 <= min_relevance <= 1.0:
+        raise InputError(f"min_relevance is a fraction of the best block's BM25 score in [0, 1], got {min_relevance!r}")
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
         raise InputError(f"recompute is a fraction of the window's tokens in [0, 1], got {recompute!r}")
     check_selector(selector)
@@ -125,7 +127,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                                   f"prelude and {max_new_tokens} answer tokens")
     # ---- selection
     t = time.perf_counter()
-    ranked = rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16))
+    ranked = relevant(rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16)), top_k, min_relevance)
     select_s = time.perf_counter() - t
     cands, context = candidates(mem, docs, ranked, top_k, expand)
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)
@@ -158,7 +160,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     decode_s = time.perf_counter() - t
     exact = window.exact_prefix_tokens() - window.prelude_tokens
     stats = {
-        "selector": selector, "top_k": top_k, "recompute": recompute,
+        "selector": selector, "top_k": top_k, "recompute": recompute, "min_relevance": min_relevance,
         "window_tokens": window.context_tokens + len(q_ids) + len(new),
         "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),
         "tokens_exact": exact, "tokens_rerotated": sum(s.candidate.n_tokens for s in window.slots if s.shift),

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvmemory.config import ASK_RECOMPUTE as RECOMPUTE, ASK_TOP_K as TOP_K
+from kvmemory.config import ASK_MIN_RELEVANCE as MIN_RELEVANCE, ASK_RECOMPUTE as RECOMPUTE, ASK_TOP_K as TOP_K
 from kvmemory.errors import KVMemoryError
 from kvmemory.index import SELECTORS
 
@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--recompute", type=float, default=None, metavar="R",
                     help=f"fraction of the window's tokens to recompute so grafted blocks see each other "
                          f"(0..1, default {RECOMPUTE}; 1 = re-prefill the window's text)")
+    sp.add_argument("--min-relevance", type=float, default=None, metavar="F",
+                    help=f"drop selected blocks whose BM25 score is below F x the best block's (0..1, default "
+                         f"{MIN_RELEVANCE})")
     sp.add_argument("--no-expand", action="store_true",
                     help="graft only the selected blocks, without the blocks before them in their segment")
     sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
@@ -134,9 +137,17 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="block", disable=not sys.stderr.isatty())
 
 
-def _open(args, read_only=False):
+def _open(args, read_only=False, create=False):
+    """The Memory of args.store. Only commands that write a first state (save) may create a store:
+    a mistyped path given to ask, rm, reindex ... is an error, not a new empty store."""
+    from pathlib import Path
+
+    from kvmemory.manifest import MANIFEST_NAME
     from kvmemory.memory import Memory
 
+    if not create and not (Path(args.store) / MANIFEST_NAME).is_file():
+        raise KVMemoryError(f"no kvmemory store at {args.store} (no {MANIFEST_NAME}); check the path, or create "
+                            "one with kvmemory save or kvmemory add")
     return Memory(args.store, model=getattr(args, "model", None), read_only=read_only)
 
 
@@ -149,7 +160,7 @@ def cmd_save(args) -> int:
                 data = f.read()
         except OSError as e:
             raise KVMemoryError(f"cannot read {args.file}: {e.strerror}") from None
-    with _open(args) as mem:
+    with _open(args, create=True) as mem:
         if args.chat_system:
             from kvmemory.errors import InputError
 
@@ -233,7 +244,7 @@ def cmd_add(args) -> int:
 def cmd_ask(args) -> int:
     with _open(args, read_only=False) as mem:
         ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens,
-                      recompute=args.recompute, expand=not args.no_expand)
+                      recompute=args.recompute, expand=not args.no_expand, min_relevance=args.min_relevance)
     if args.json:
         print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
         return 0

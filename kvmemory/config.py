@@ -94,3 +94,4 @@ def from_env(cls: type, env: dict[str, str] | None = None, **overrides):
 # ask()'s defaults, measured in benchmarks/bench_qa.py (accuracy against k and r on fresh draws)
 ASK_TOP_K = 2
 ASK_RECOMPUTE = 0.0
+ASK_MIN_RELEVANCE = 0.75

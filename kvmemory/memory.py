@@ -163,7 +163,7 @@ class Memory:
         return [self.add(b, doc_id=p.name, progress=progress, source=str(p)) for p, b in zip(paths, blobs)]
 
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
-            recompute: float | None = None, expand: bool = True):
+            recompute: float | None = None, expand: bool = True, min_relevance: float | None = None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
@@ -171,14 +171,17 @@ class Memory:
         into a fixed-size window in document order, each with the blocks before it in its deposit
         segment (expand=True), and decodes greedily. recompute (0..1, default kvmemory.ask.RECOMPUTE)
         recomputes that fraction of the window's tokens (those whose K/V deviate most) so grafted
-        blocks see each other; 1.0 is a full re-prefill of the window's text. With the model on
+        blocks see each other; 1.0 is a full re-prefill of the window's text. min_relevance (0..1,
+        default kvmemory.ask.MIN_RELEVANCE) drops selected blocks after the first whose BM25 score is
+        below that fraction of the best block's: fewer distractors for a small model. With the model on
         CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
         attention is switched to kvmemory's window_attention op (transformers' attention registry).
         """
         from kvmemory import ask as _ask
         return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
                         selector=selector, max_new_tokens=max_new_tokens,
-                        recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand)
+                        recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
+                        min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance)
 
     def retrieve(self, question: str, k: int = 4, selector: str = "text") -> list[dict]:
         """The blocks ask() would select, without generating: [{doc_id, start_token, end_token,

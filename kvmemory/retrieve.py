@@ -21,11 +21,13 @@ from kvmemory.index.fusion import best_per_block, rrf
 # windows fetched from each index per block wanted: several windows of one block may lead
 WINDOWS_PER_BLOCK = 8
 MIN_POOL = 64
-# The fusion, measured with benchmarks/bench_select.py on fresh draws (README): plain RRF
-# (equal weights, k = 60) lets a dense near-miss outrank BM25's exact hit and lost 20 points
-# of recall@2 against BM25 alone; dense at 0.3 and k = 10 keeps BM25's order where it is sure
-# and lets the dense ranking break its ties and answer where BM25 finds no term at all.
-FUSION_WEIGHTS = {"dense": 0.3, "bm25": 1.0}
+# The fusion, measured with benchmarks/bench_select.py on fresh draws (README, "Answer
+# quality"): plain RRF (equal weights, k = 60) let dense near-misses (the same sentence about
+# another city) outrank BM25's exact hit and lost 20-25 points of recall@2 against BM25 alone;
+# at dense 0.3 it still lost 5-9. At 0.05 and k = 10 the dense ranking cannot reorder BM25's
+# first four blocks: it breaks BM25's ties further down and answers alone where BM25 finds no
+# term of the question (recall equal to BM25's on every draw measured).
+FUSION_WEIGHTS = {"dense": 0.05, "bm25": 1.0}
 FUSION_K = 10
 
 
@@ -34,6 +36,7 @@ class Ranked:
     row: int
     score: float                 # the selector's score: RRF for "text", inner product or BM25 otherwise
     ranks: dict                  # index kind -> 1-based rank of the block in that index (absent: not found)
+    scores: dict                 # index kind -> the block's best window score in that index
 
 
 def check_selector(selector: str) -> None:
@@ -61,12 +64,27 @@ def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32) -
             hits = idx.search(qv, pool)
         per_kind[kind] = [(r, s) for r, s in best_per_block(hits, win.row_of) if r in live]
     ranks = {k: {r: i for i, (r, _) in enumerate(v, start=1)} for k, v in per_kind.items()}
+    raw = {k: dict(v) for k, v in per_kind.items()}
     if len(per_kind) == 1:
         (kind, blocks), = per_kind.items()
         order = blocks
     else:
         order = rrf([[r for r, _ in v] for v in per_kind.values()], k=FUSION_K,
                     weights=[FUSION_WEIGHTS[k] for k in per_kind])
-    return [Ranked(r, float(s), {k: ranks[k][r] for k in ranks if r in ranks[k]}) for r, s in order[:n]]
+    return [Ranked(r, float(s), {k: ranks[k][r] for k in ranks if r in ranks[k]},
+                   {k: raw[k][r] for k in raw if r in raw[k]}) for r, s in order[:n]]
+
+
+def relevant(ranked: list[Ranked], top_k: int, min_relevance: float) -> list[Ranked]:
+    """The first block, then each of the next top_k - 1 whose BM25 score is at least
+    min_relevance x the first's: a block far less relevant than the best is a distractor to
+    a small model, not help (benchmarks/bench_qa.py measures the cut). Where the first block
+    has no BM25 score (the dense ranking found it alone) nothing is cut."""
+    if not ranked:
+        return []
+    best = ranked[0].scores.get("bm25")
+    if best is None or min_relevance <= 0:
+        return ranked[:top_k]
+    return [ranked[0]] + [h for h in ranked[1:top_k] if h.scores.get("bm25", 0.0) >= min_relevance * best]
 
 

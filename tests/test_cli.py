@@ -125,7 +125,7 @@ def test_add_ask_docs_rm_reindex(tmp_path, tiny_dir):
     docs = json.loads(run("docs", store, "--json").stdout)
     assert [d["doc_id"] for d in docs] == ["alpha.txt", "beta.md"] and all(d["blocks"] >= 1 for d in docs)
     r = run("ask", store, "Where are the copper lanterns?", "--model", tiny_dir, "--top-k", "2",
-            "--max-new-tokens", "3", "--no-expand", "--json")
+            "--max-new-tokens", "3", "--no-expand", "--min-relevance", "0", "--json")
     assert r.returncode == 0, r.stderr
     ans = json.loads(r.stdout)
     assert ans["stats"]["blocks_selected"] == ans["stats"]["blocks"] == 2 and ans["stats"]["tokens_prefilled"] > 0
@@ -168,3 +168,14 @@ def test_add_ask_docs_rm_with_the_real_default_model(tmp_path, default_dir):
     assert [d["doc_id"] for d in json.loads(run("docs", store, "--json").stdout)] == ["harbor.txt"]
     assert run("rm", store, "harbor.txt").returncode == 0
     assert json.loads(run("docs", store, "--json").stdout) == []
+
+
+def test_read_commands_never_create_a_store(tmp_path, tiny_dir):
+    missing = tmp_path / "typo.kvm"
+    for args in (("ask", missing, "anything?"), ("rm", missing, "doc"), ("reindex", missing),
+                 ("generate", missing, "0123456789abcdef", "hi"), ("docs", missing), ("info", missing),
+                 ("verify", missing)):
+        err = _one_line_error(run(*args, "--model", tiny_dir) if args[0] not in ("docs", "info", "verify")
+                              else run(*args))
+        assert str(missing) in err and "no kvmemory store" in err
+        assert not missing.exists()

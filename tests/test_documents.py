@@ -29,14 +29,14 @@ def test_add_docs_ask_remove(mem, rng):
     C = mem.block_tokens
     assert info.doc_id == "manual" and info.blocks == -(-info.n_tokens // C)
     assert [d.doc_id for d in mem.docs()] == ["manual"]
-    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False)
+    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0)
     st = ans.stats
     assert st["blocks"] == st["blocks_selected"] == 3 and all(s[0] == "manual" for s in ans.sources)
     assert sum(e - s for _, s, e, _ in ans.sources) == st["tokens_restored"] - len(mem.documents.prelude.ids)
     starts = [s[1] for s in ans.sources]
     assert starts == sorted(starts)                                  # document order, contiguous runs merged
     assert st["tokens_prefilled"] < 40 and st["blocks_from"]["disk"] == 3
-    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False)
+    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0)
     assert again.stats["blocks_from"]["host"] == 3 and again.stats["tiers"]["host"]["hits"] >= 3
     assert again.sources == ans.sources
     # every block is indexed: one key summary each, several dense / BM25 windows each
@@ -115,7 +115,7 @@ def test_reindex_and_missing_index_rebuild_give_same_selection(mem, rng):
         assert other.ask("copper falcon harbor", top_k=4, max_new_tokens=1).sources == before
     mem.reindex()
     assert mem.ask("copper falcon harbor", top_k=4, max_new_tokens=1).sources == before
-    keys = mem.ask("copper falcon harbor", top_k=2, selector="keys", max_new_tokens=1)
+    keys = mem.ask("copper falcon harbor", top_k=2, selector="keys", max_new_tokens=1, min_relevance=0.0)
     assert keys.stats["blocks_selected"] == 2 and keys.sources
 
 
@@ -214,6 +214,8 @@ def test_recompute_argument_is_checked(mem, rng):
     for bad in (-0.1, 1.5, "half"):
         with pytest.raises(InputError, match="recompute"):
             mem.ask("where?", recompute=bad)
+        with pytest.raises(InputError, match="min_relevance"):
+            mem.ask("where?", min_relevance=bad)
     p = len(mem.documents.prelude.ids)
     for top_k in (1, 3):
         st = mem.ask("copper falcon", top_k=top_k, recompute=0.5, expand=False, max_new_tokens=2).stats
