@@ -52,31 +52,28 @@ def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor) -> tup
     return out, fetch
 
 
-def candidates(mem, docs, ranked, top_k: int, expand: bool) -> tuple[list[Candidate], dict[int, list[Candidate]]]:
-    """Window candidates of the ranked blocks, and (expand) each one's segment prefix."""
+def candidates(mem, docs, chosen, expand: bool) -> tuple[list[Candidate], dict[int, list[Candidate]]]:
+    """Window candidates of the chosen blocks, and (expand) each one's segment prefix: the blocks
+    before it in its deposit segment, in document order."""
     store, live = mem.store, docs.live_map()
     C, p = store.manifest.block_tokens, len(docs.prelude.ids)
-    top = ranked[: max(4 * top_k, 16)]
-    meta = store.block_meta([h.row for h in top])
-    firsts = {h.row: int(meta["positions"][i][0]) for i, h in enumerate(top)}
-    cands = [_candidate(live, h.row, firsts[h.row], int(meta["n_tokens"][i]), C, h.score)
-             for i, h in enumerate(top)]
+    meta = store.block_meta([h.row for h in chosen])
+    cands = [_candidate(live, h.row, int(meta["positions"][i][0]), int(meta["n_tokens"][i]), C, h.score)
+             for i, h in enumerate(chosen)]
     context: dict[int, list[Candidate]] = {}
     if expand:
         want: dict[int, list[int]] = {}
-        for c in cands[:top_k * 2]:
-            doc_rows = store.manifest.docs[c.doc_id].rows
+        for c in cands:
             i = live[c.row][2]
             back = (c.deposit_pos - p) // C                 # blocks before it in its segment
-            want[c.row] = doc_rows[max(0, i - back):i]
-        allrows = sorted({r for v in want.values() for r in v})
-        pm = store.block_meta(allrows)
-        at = {r: j for j, r in enumerate(allrows)}
+            want[c.row] = store.manifest.docs[c.doc_id].rows[max(0, i - back):i]
+        rows = sorted({r for v in want.values() for r in v})
+        pm = store.block_meta(rows)
+        at = {r: j for j, r in enumerate(rows)}
         for row, prev in want.items():
-            doc_id = live[row][0]
-            rank = live[row][1]
-            context[row] = [Candidate(r, doc_id, rank, (live[row][2] - len(prev) + j) * C,
-                                      int(pm["n_tokens"][at[r]]), int(pm["positions"][at[r]][0]), 0.0, False)
+            doc_id, rank, i = live[row]         # context is placed by the document of the block it serves
+            context[row] = [Candidate(r, doc_id, rank, (i - len(prev) + j) * C, int(pm["n_tokens"][at[r]]),
+                                      int(pm["positions"][at[r]][0]), 0.0, selected=False)
                             for j, r in enumerate(prev)]
     return cands, context
 
@@ -129,7 +126,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     t = time.perf_counter()
     ranked = relevant(rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16)), top_k, min_relevance)
     select_s = time.perf_counter() - t
-    cands, context = candidates(mem, docs, ranked, top_k, expand)
+    cands, context = candidates(mem, docs, ranked, expand)
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)
     # ---- page in and graft
     device = mem.model.device
