@@ -139,11 +139,12 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     # ---- answer
     t = time.perf_counter()
     recomputed = 0
+    exact_tokens = window.exact_prefix_tokens()
     if recompute > 0:
         from kvmemory.blend import blend_prefill
         ctx_ids = list(prelude_ids) + window_tokens(store, window)
         logits, kv, bs = blend_prefill(mem.model, ctx_kv, ctx_ids, q_ids, float(recompute),
-                                       exact_tokens=window.exact_prefix_tokens())
+                                       exact_tokens=exact_tokens)
         recomputed = bs.recomputed
         cache = kvops.make_cache(kv, mem.model.config)
     else:
@@ -155,7 +156,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     t = time.perf_counter()
     new = _greedy(mem, cache, logits, max_new_tokens)
     decode_s = time.perf_counter() - t
-    exact = window.exact_prefix_tokens() - window.prelude_tokens
+    exact = exact_tokens - window.prelude_tokens
     stats = {
         "selector": selector, "top_k": top_k, "recompute": recompute, "min_relevance": min_relevance,
         "window_tokens": window.context_tokens + len(q_ids) + len(new),
@@ -167,7 +168,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         "bytes_read": {"disk": fetch.disk_bytes, "host": fetch.host_bytes},
         "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk},
         "tiers": fetch.tiers,
-        "ranking": [{"row": h.row, "score": h.score, "ranks": h.ranks} for h in ranked[:top_k]],
+        "ranking": [{"row": h.row, "score": h.score, "ranks": h.ranks} for h in ranked],
         "timings_s": {"select": select_s, "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,
                       "first_token": first_token_s, "ttft": ttft, "decode": decode_s,
                       "total": time.perf_counter() - t0},
