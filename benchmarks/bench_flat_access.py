@@ -58,7 +58,7 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
             new, local = [], {}          # rows of this batch's blocks, before they are committed
             for bid, parent_key, toks, pos, kv in batch:
                 parent_row = prelude_row if parent_key is None else local.get(parent_key, s.row_of(parent_key))
-                local[bid] = s.manifest.n_blocks + len(new)
+                local[bid] = s.next_row + len(new)
                 new.append(NewBlock(bid, parent_row, toks, pos, kv))
             return new, {}
         store.commit(build)

@@ -78,14 +78,8 @@ def greedy(model, tokenizer, ids: list[int], max_new: int, cache=None, C: int = 
         logits = model(input_ids=torch.tensor([ids[s:s + C]]), past_key_values=cache).logits[0, -1]
     ttft = time.perf_counter() - t
     first = logits.float().clone()
-    from kvmemory.memory import _eos_ids
-    eos = _eos_ids(tokenizer, model)
-    out, nxt = [], int(logits.argmax())
-    while nxt not in eos and len(out) < max_new:
-        out.append(nxt)
-        if len(out) == max_new:
-            break
-        nxt = int(model(input_ids=torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1].argmax())
+    from kvmemory.decode import eos_ids, greedy as decode
+    out = decode(model, cache, logits, max_new, eos_ids(tokenizer, model))
     return tokenizer.decode(out, skip_special_tokens=True), ttft, first
 
 

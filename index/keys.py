@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmemory.device import ids_tensor, to_host
 from kvmemory.rope import rotate, shift_cos_sin
 
 
@@ -21,9 +22,9 @@ def default_layer(num_layers: int) -> int:
 
 def block_vectors(kv: torch.Tensor, positions: list[int], layer: int, freqs: torch.Tensor) -> np.ndarray:
     """kv [L, 2, H, n, D] of one block whose first token sits at positions[0] -> [H * D] float32."""
-    k = kv[layer, 0].float()                                           # [H, n, D]
+    k = to_host(kv[layer, 0]).float()                                  # [H, n, D]
     pos = torch.as_tensor(positions, dtype=torch.long)
-    cos, sin = shift_cos_sin(-pos, freqs)                              # [n, D/2]: rotate back to 0
+    cos, sin = shift_cos_sin(-pos, to_host(freqs))                              # [n, D/2]: rotate back to 0
     k0 = rotate(k, cos.unsqueeze(0), sin.unsqueeze(0)).mean(dim=1)     # [H, D]
     v = k0.reshape(-1)
     return torch.nn.functional.normalize(v, dim=0).numpy().astype(np.float32)
@@ -36,10 +37,10 @@ def query_vector(model, token_ids: list[int], layer: int, kv_heads: int, head_di
     attn = model.model.layers[layer].self_attn
     hook = attn.q_proj.register_forward_hook(lambda m, i, o: captured.__setitem__("q", o.detach()))
     try:
-        model.model(input_ids=torch.tensor([token_ids], device=model.device), use_cache=False)
+        model.model(input_ids=ids_tensor(token_ids, model), use_cache=False)
     finally:
         hook.remove()
-    q = captured["q"][0].float()                                       # [T, n_heads * D]
+    q = to_host(captured["q"][0]).float()                                       # [T, n_heads * D]
     n_heads = q.shape[-1] // head_dim
     q = q.reshape(q.shape[0], kv_heads, n_heads // kv_heads, head_dim).mean(dim=(0, 2))   # [H, D]
     return torch.nn.functional.normalize(q.reshape(-1), dim=0).numpy().astype(np.float32)

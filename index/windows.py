@@ -7,7 +7,8 @@ embedder sees each one whole: nothing is truncated), each window is embedded and
 for BM25, and a block scores as its best window. The first window of a block also carries
 the last `LEAD_PIECES` word pieces of the block before it in the same document, so a
 sentence cut by a block boundary is still seen whole once (by the later block, whose
-segment-prefix expansion brings the earlier block along at ask time).
+segment-prefix expansion brings the earlier block along at ask time); a word the boundary
+splits is whole there too.
 
 Index ids: window w of block row r has id r * WINDOW_SLOTS + w.
 """
@@ -48,10 +49,20 @@ def spans(n_pieces: int, lead: int = 0) -> list[tuple[int, int]]:
 
 def block_windows(pieces, texts: list[str], leads: list[str | None]) -> list[list[list[int]]]:
     """The windows (word-piece id lists) of each block. pieces(text) -> word-piece ids;
-    leads[i] is the text of the block before block i in its document, or None."""
+    leads[i] is the text of the block before block i in its document, or None.
+
+    The lead is cut from the pieces of the joined text (lead + block), not from the lead's own
+    pieces: a word split by the block boundary ("xkz" | "341") is then one word ("xkz341") in the
+    block's first window, as BM25 and MiniLM must see it."""
     out = []
     for text, lead in zip(texts, leads):
-        head = pieces(lead)[-LEAD_PIECES:] if lead is not None else []
-        ids = head + pieces(text)
-        out.append([ids[s:e] for s, e in spans(len(ids), len(head))])
+        own = pieces(text)
+        if lead is None:
+            ids, n_lead = own, 0
+        else:
+            joined = pieces(lead + text)
+            n_lead = max(0, len(joined) - len(own))
+            start = max(0, n_lead - LEAD_PIECES)
+            ids, n_lead = joined[start:], n_lead - start
+        out.append([ids[s:e] for s, e in spans(len(ids), n_lead)])
     return out

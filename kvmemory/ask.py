@@ -16,16 +16,14 @@ import torch
 
 from kvmemory import kv as kvops
 from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K
-from kvmemory.errors import InputError, KVMemoryError, WindowExceededError
+from kvmemory.decode import greedy
+from kvmemory.device import ids_tensor, to_host
+from kvmemory.errors import EmptyStoreError, InputError, WindowExceededError
 from kvmemory.ops import gather_blocks
 from kvmemory.retrieve import check_selector, rank_blocks, relevant
 from kvmemory.window import Candidate, WindowPlan, plan
 
 TOP_K, RECOMPUTE, MIN_RELEVANCE = ASK_TOP_K, ASK_RECOMPUTE, ASK_MIN_RELEVANCE
-
-
-class EmptyStoreError(KVMemoryError):
-    """ask() on a store that holds no documents."""
 
 
 @dataclass
@@ -42,7 +40,7 @@ def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor) -> tup
     geo = mem.geometry
     rows = [s.candidate.row for s in window.slots]
     pool, fetch = mem.pager.fetch(rows)                                   # [k, L, 2, H, C, D]
-    out = torch.empty((geo.layers, 2, geo.kv_heads, window.context_tokens, geo.head_dim), dtype=mem._dtype,
+    out = torch.empty((geo.layers, 2, geo.kv_heads, window.context_tokens, geo.head_dim), dtype=mem.kv_dtype,
                       device=pool.device if rows else "cpu")
     out[:, :, :, :window.prelude_tokens] = prelude_kv.to(out.device)
     if rows:
@@ -111,7 +109,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
         raise InputError(f"recompute is a fraction of the window's tokens in [0, 1], got {recompute!r}")
     check_selector(selector)
-    store = mem._store()
+    store = mem.require_store()
     store.refresh()
     manifest = store.manifest
     if not manifest.docs:
@@ -128,6 +126,9 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     select_s = time.perf_counter() - t
     cands, context = candidates(mem, docs, ranked, expand)
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)
+    # the RoPE shift of every slot comes from its stored positions: trust them only once its id
+    # re-derives from its parent, tokens and positions (StoreCorruptError otherwise)
+    store.verified_meta([s.candidate.row for s in window.slots])
     # ---- page in and graft
     device = mem.model.device
     if device.type == "cuda" and recompute == 0:   # decode attention through the paged-window kernel
@@ -149,12 +150,12 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         cache = kvops.make_cache(kv, mem.model.config)
     else:
         cache = kvops.make_cache(ctx_kv, mem.model.config)
-        logits = mem.model(input_ids=torch.tensor([q_ids], device=device), past_key_values=cache,
+        logits = mem.model(input_ids=ids_tensor(q_ids, mem.model), past_key_values=cache,
                            use_cache=True).logits[0, -1]
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
-    new = _greedy(mem, cache, logits, max_new_tokens)
+    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids)
     decode_s = time.perf_counter() - t
     exact = exact_tokens - window.prelude_tokens
     stats = {
@@ -175,7 +176,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
     }
     return Answer(mem.tokenizer.decode(new, skip_special_tokens=True).strip(), sources_of(window), stats,
-                  window, logits.detach().float().cpu())
+                  window, to_host(logits).float())
 
 
 def window_tokens(store, window: WindowPlan) -> list[int]:
@@ -185,18 +186,3 @@ def window_tokens(store, window: WindowPlan) -> list[int]:
     for i, s in enumerate(window.slots):
         out += [int(x) for x in meta["tokens"][i][: s.candidate.n_tokens]]
     return out
-
-
-def _greedy(mem, cache, logits: torch.Tensor, max_new_tokens: int) -> list[int]:
-    from kvmemory.memory import _eos_ids
-    eos = _eos_ids(mem.tokenizer, mem.model)
-    new: list[int] = []
-    nxt = int(logits.argmax())
-    while nxt not in eos:
-        new.append(nxt)
-        if len(new) == max_new_tokens:       # no forward pass for a token we would not use
-            break
-        out = mem.model(input_ids=torch.tensor([[nxt]], device=mem.model.device), past_key_values=cache,
-                        use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
-    return new

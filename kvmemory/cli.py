@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
              "A document becomes visible only when complete; re-running an interrupted add resumes it.")
     sp.add_argument("store", metavar="STORE")
     sp.add_argument("files", metavar="FILE", nargs="+", help="UTF-8 text files")
-    sp.add_argument("--segment-blocks", type=int, default=None, metavar="N",
+    sp.add_argument("--segment-blocks", type=_positive_int, default=None, metavar="N",
                     help="blocks per segment (default 4 = 1,024 tokens)")
     model_arg(sp)
 
@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = add("rm", "remove a document and its vectors",
              "Remove DOC_ID from the store's document table and its vectors from the index. Its blocks stay on "
-             "disk, unreferenced.")
+             "disk until `kvmemory gc` reclaims them.")
     sp.add_argument("store", metavar="STORE")
     sp.add_argument("doc_id", metavar="DOC_ID")
     model_arg(sp)
@@ -118,11 +118,31 @@ def _parser() -> argparse.ArgumentParser:
                     help="only the indexes this selector needs")
     model_arg(sp)
 
+    sp = add("gc", "reclaim the disk space of blocks no state or document uses",
+             "After rm, the removed document's blocks stay on disk until gc: it records them as freed (from then "
+             "on no reader takes them as valid), then removes or rewrites the shard files that hold them. Blocks "
+             "committed less than --grace seconds ago are kept: a document being added commits its blocks "
+             "before the document itself. Safe to run while others read the store; a crash mid-way is finished "
+             "by the next gc. Loads no model.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                    help="keep blocks committed in the last SECONDS (default 3600)")
+
     sp = add("demo", "save real states, restore them, show bit-exactness and restore-vs-recompute time",
              "Save a few real prompts with the default model, restore them from disk, check that the next-token "
              "logits are bit-identical to a fresh computation, and time restore against recompute.")
     sp.add_argument("--store", metavar="DIR", default=None, help="store directory (default: a temporary one)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _version() -> str:
@@ -208,18 +228,12 @@ def cmd_verify(args) -> int:
         store = BlockStore.open(args.store)
         n = store.n_blocks
         with _progress(n, "verify") as bar:
-            bad = store.verify_all(progress=_ticking(range(n), bar))
+            bad = store.verify_all(progress=bar)
     for _, why in bad:
         print(f"BAD {why}")
     what = "E1 digest + E2 recompute" if args.recompute else "E1 digest"
     print(f"{n - len(bad)}/{n} blocks passed ({what})")
     return 1 if bad else 0
-
-
-def _ticking(it, bar):
-    for x in it:
-        yield x
-        bar.update(1)
 
 
 def cmd_demo(args) -> int:
@@ -235,6 +249,9 @@ def _open_docs(args):
 
 
 def cmd_add(args) -> int:
+    from kvmemory.documents import read_files
+
+    read_files(args.files)                # every file checked before the store is opened or created
     with _open_docs(args) as mem:
         for info in mem.add_files(args.files, progress=True):
             print(f"added {info.doc_id}: {info.n_tokens} tokens, {info.blocks} blocks, {info.segments} segments")
@@ -288,7 +305,19 @@ def cmd_reindex(args) -> int:
     return 0
 
 
-COMMANDS = {"save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "add": cmd_add,
+def cmd_gc(args) -> int:
+    from kvmemory.store import BlockStore
+
+    if args.grace < 0:
+        raise KVMemoryError(f"--grace must be >= 0 seconds, got {args.grace}")
+    store = BlockStore.open(args.store, read_only=False)
+    r = store.gc(grace_s=args.grace)
+    print(f"freed {r.blocks_freed} blocks, {r.bytes_freed:,} bytes ({r.bytes_freed / 2**20:.1f} MiB); "
+          f"{r.files_removed} files removed, {r.files_rewritten} rewritten")
+    return 0
+
+
+COMMANDS = {"gc": cmd_gc, "save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "add": cmd_add,
             "ask": cmd_ask, "docs": cmd_docs, "rm": cmd_rm, "reindex": cmd_reindex, "demo": cmd_demo}
 
 

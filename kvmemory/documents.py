@@ -12,7 +12,9 @@ recomputed.
 
 from __future__ import annotations
 
+import os
 import time
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import torch
 import xxhash
 
 from kvmemory import hashing, kv as kvops
-from kvmemory.errors import InputError, KVMemoryError
+from kvmemory.errors import DocumentNotFoundError, InputError, StoreError
 from kvmemory.index import INDEXES, VectorIndex
 from kvmemory.index import windows as win
 from kvmemory.index.lexical import LexicalIndex
@@ -32,12 +34,7 @@ from kvmemory.store import NewBlock
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
 INDEX_DIR = "index"
 # derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
-INDEX_FILES = {"dense": "dense-w1.faiss", "bm25": "bm25-w2.json", "keys": "keys-w1.faiss"}
-
-
-class DocumentNotFoundError(KVMemoryError, KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
+INDEX_FILES = {"dense": "dense-w2.faiss", "bm25": "bm25-w3.json", "keys": "keys-w1.faiss"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +102,7 @@ class Documents:
         self._prelude = None
         self._checked: dict[str, int] = {}          # index kind -> manifest commit it was validated at
         self._live: tuple[int, dict] = (-1, {})
+        self._file_ident: dict[str, tuple] = {}    # index kind -> (inode, mtime, size) of the file we hold
 
     # ------------------------------------------------------------------ indexes
     @property
@@ -125,18 +123,25 @@ class Documents:
         if idx is not None and self._checked.get(kind) == commit:
             return idx                       # validated at this commit: nothing changed since
         live = self.live_rows()
-        if idx is None:
-            path = self._index_path(kind)
-            if path.is_file():
-                try:
-                    idx = LexicalIndex.load(path) if kind == "bm25" else VectorIndex.load(path, self.dims[kind])
-                except (RuntimeError, ValueError, OSError, KeyError):
-                    idx = None               # derived data: damaged means rebuild
+        if idx is None or self._file_ident.get(kind) != _ident(self._index_path(kind)):
+            idx = self._load_index(kind)     # another process may have written it since
         if idx is None or not live <= {win.row_of(i) for i in idx.ids()}:
             self.rebuild("keys" if kind == "keys" else "text")
             idx = self._indexes[kind]
         self._indexes[kind] = idx
         self._checked[kind] = commit
+        return idx
+
+    def _load_index(self, kind: str):
+        path = self._index_path(kind)
+        ident = _ident(path)
+        if ident is None:
+            return None
+        try:
+            idx = LexicalIndex.load(path) if kind == "bm25" else VectorIndex.load(path, self.dims[kind])
+        except (RuntimeError, ValueError, OSError, KeyError):
+            return None                      # derived data: damaged means rebuild
+        self._file_ident[kind] = ident
         return idx
 
     def _index_path(self, kind: str) -> Path:
@@ -193,7 +198,7 @@ class Documents:
         meta = store.block_meta(rows)
         if kv is None:
             blocks, _ = store.read_kv(rows)
-            kv = [kvops.from_storage(blocks[i], self.mem._dtype)[:, :, :, :int(meta["n_tokens"][i])]
+            kv = [kvops.from_storage(blocks[i], self.mem.kv_dtype)[:, :, :, :int(meta["n_tokens"][i])]
                   for i in range(len(rows))]
         out = [keysel.block_vectors(kv[i], list(meta["positions"][i][:int(meta["n_tokens"][i])]), self.key_layer,
                                     self.freqs) for i in range(len(rows))]
@@ -233,12 +238,43 @@ class Documents:
         self._save_index("bm25", lex)
 
     def _save_index(self, kind: str, idx) -> None:
+        """Keep idx and write it, under the writer lock (a writable store only)."""
         self._indexes[kind] = idx
         self._checked.pop(kind, None)
-        if self.mem.store.read_only:
+        store = self.mem.require_store()
+        if store.read_only:
             return                           # rebuilt in memory; a writable open will persist it
-        (self.mem.path / INDEX_DIR).mkdir(exist_ok=True)
-        idx.save(self._index_path(kind))
+        path = self._index_path(kind)
+        with store.write_lock():
+            try:
+                path.parent.mkdir(exist_ok=True)
+                idx.save(path)
+            except (OSError, RuntimeError) as e:   # faiss reports a full disk as RuntimeError
+                for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+                    tmp.unlink(missing_ok=True)
+                raise StoreError(f"cannot write the index {path}: {e}") from None
+            self._file_ident[kind] = _ident(path)
+
+    def _update_indexes(self, found: dict | None = None, drop: set[int] | None = None) -> None:
+        """Under the writer lock: take each index as it is on disk now (another process may have
+        added to it), add `found` / drop rows `drop`, write it back. No rebuild."""
+        for kind in INDEXES:
+            idx = self._indexes.get(kind)
+            if idx is None or self._file_ident.get(kind) != _ident(self._index_path(kind)):
+                loaded = self._load_index(kind)
+                idx = loaded if loaded is not None else idx
+            if idx is None:
+                idx = LexicalIndex() if kind == "bm25" else VectorIndex(self.dims[kind])
+            if drop:
+                idx.remove([i for i in idx.ids() if win.row_of(i) in drop])
+            if found and found["wids"]:
+                if kind == "dense":
+                    idx.add(found["wids"], np.concatenate(found["vecs"]))
+                elif kind == "bm25":
+                    idx.add(found["wids"], found["texts"])
+                else:
+                    idx.add(found["kwids"], np.concatenate(found["kvecs"]))
+            self._save_index(kind, idx)
 
     # ------------------------------------------------------------------ deposit
     def _prelude_state(self):
@@ -259,7 +295,7 @@ class Documents:
 
     def add(self, text, doc_id: str | None = None, source: str = "", progress=None) -> DocInfo:
         mem = self.mem
-        store = mem._store()
+        store = mem.require_store()
         text = decode_text(text, source)
         ids = text_ids(mem.tokenizer, text)
         if progress is not None:
@@ -306,19 +342,15 @@ class Documents:
                 progress.update(len(seg))
         # index entries first (entries of invisible rows are ignored at query time), the manifest
         # entry last: the commit
-        if found["wids"]:
-            dense, lex, keys = self.index("dense"), self.index("bm25"), self.index("keys")
-            dense.add(found["wids"], np.concatenate(found["vecs"]))
-            lex.add(found["wids"], found["texts"])
-            keys.add(found["kwids"], np.concatenate(found["kvecs"]))
-            for kind, idx in (("dense", dense), ("bm25", lex), ("keys", keys)):
-                self._save_index(kind, idx)
         entry = DocEntry(rows=rows, n_tokens=len(ids), segments=-(-len(ids) // seg_len), source=source,
                          created=time.time())
 
         def build(s):
             if doc_id in s.manifest.docs:
                 raise InputError(f"document {doc_id!r} was added by another writer meanwhile")
+            # under the writer lock: the vectors go into the index as it is on disk now, then the
+            # document's entry is committed (a visible document is always indexed)
+            self._update_indexes(found=found)
             return [], {}, {doc_id: entry}, ()
         store.commit(build)
         return DocInfo(doc_id, entry.n_tokens, len(rows), entry.segments, source, entry.created)
@@ -327,48 +359,46 @@ class Documents:
         rows: list[int] = []
 
         def build(s):
-            new, parent_row = [], prelude_row
-            rows.clear()
-            for i, bid in enumerate(chain):
-                row = s.row_of(bid)
-                if row is None:
-                    row = s.manifest.n_blocks + len(new)
-                    toks = seg[i * C:(i + 1) * C]
-                    new.append(NewBlock(bid, parent_row, toks, range(p + i * C, p + i * C + len(toks)),
-                                        kvops.to_storage(kv[i])))
-                rows.append(row)
-                parent_row = row
+            new, got = s.plan_chain(chain, seg, p, prelude_row, lambda i: kvops.to_storage(kv[i]))
+            rows[:] = got
             return new, {}
-        self.mem.store.commit(build)
+        self.mem.require_store().commit(build)
         return list(rows)
 
     # ------------------------------------------------------------------ queries
     def docs(self) -> list[DocInfo]:
-        store = self.mem._store()
+        store = self.mem.require_store()
         store.refresh()
         return [DocInfo(k, d.n_tokens, len(d.rows), d.segments, d.source, d.created)
                 for k, d in sorted(store.manifest.docs.items(), key=lambda kv: kv[1].created)]
 
     def remove(self, doc_id: str) -> None:
-        store = self.mem._store()
+        store = self.mem.require_store()
         store.refresh()
         if doc_id not in store.manifest.docs:
             raise DocumentNotFoundError(f"no document {doc_id!r} in store {self.mem.path}")
         rows = store.manifest.docs[doc_id].rows
+        gone: list[int] = []
 
         def build(s):
             if doc_id not in s.manifest.docs:
                 raise DocumentNotFoundError(f"document {doc_id!r} was removed by another writer meanwhile")
             return [], {}, {}, (doc_id,)
-        store.commit(build)                         # the commit point: invisible from here on
-        still = self.live_rows()                    # blocks shared with another document stay indexed
-        gone = [r for r in rows if r not in still]
-        gone_rows = set(gone)
-        for kind in INDEXES:
-            idx = self.index(kind)
-            idx.remove([i for i in idx.ids() if win.row_of(i) in gone_rows])
-            self._save_index(kind, idx)
-        self.mem._pager_forget(gone)
+
+        def after(m):                               # committed (invisible from here on), still locked
+            still = self.live_rows()                # blocks shared with another document stay indexed
+            gone.extend(r for r in rows if r not in still)
+            self._update_indexes(drop=set(gone))
+        store.commit(build, after=after)
+        self.mem.forget_blocks(gone)
+
+
+def _ident(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:
@@ -392,6 +422,29 @@ def decode_text(text, source: str = "") -> str:
     return text
 
 
+def read_files(paths) -> tuple[list[Path], list[str]]:
+    """Check and read document files before anything is written: names (the doc ids) unique and
+    valid, every file readable UTF-8 text. Returns (paths, texts); InputError naming the problem."""
+    paths = [Path(p) for p in paths]
+    names = [p.name for p in paths]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        where = "; ".join(f"{n}: " + ", ".join(str(p) for p in paths if p.name == n) for n in dupes)
+        raise InputError(f"two files share a name ({where}); doc ids come from file names, rename one")
+    texts = []
+    for p in paths:
+        _check_doc_id(p.name)
+        try:
+            texts.append(decode_text(p.read_bytes(), str(p)))
+        except OSError as e:
+            raise InputError(f"cannot read {p}: {e.strerror}") from None
+    return paths, texts
+
+
 def _check_doc_id(doc_id: str) -> None:
-    if not isinstance(doc_id, str) or not doc_id or len(doc_id) > 200 or any(c in doc_id for c in "\n\r\x00"):
-        raise InputError(f"a document id is a non-empty single-line string of at most 200 characters, got {doc_id!r}")
+    """A document id is printable text: no control characters (a terminal escape, a tab, a newline
+    would corrupt `kvmemory docs` output and logs), at most 200 characters."""
+    if not isinstance(doc_id, str) or not doc_id or len(doc_id) > 200 or \
+            any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in doc_id):
+        raise InputError(f"a document id is a non-empty string of at most 200 characters without control "
+                         f"characters, got {doc_id!r}")

@@ -51,5 +51,16 @@ class StateNotFoundError(KVMemoryError, KeyError):
         return str(self.args[0]) if self.args else "state not found"
 
 
+class DocumentNotFoundError(KVMemoryError, KeyError):
+    """No deposited document has the given id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "document not found"
+
+
+class EmptyStoreError(KVMemoryError):
+    """ask() on a store that holds no documents."""
+
+
 class ModelLoadError(KVMemoryError):
     """The model could not be loaded (missing package, bad directory, unsupported model)."""

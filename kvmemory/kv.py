@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from kvmemory.device import ids_tensor
 from kvmemory.model.fingerprint import KVGeometry
 
 _STORAGE_VIEW = {torch.bfloat16: torch.uint16}
@@ -40,12 +41,25 @@ def cache_slice(cache, start: int, stop: int) -> torch.Tensor:
     return torch.stack(per_layer)
 
 
-def make_cache(kv: torch.Tensor | None, config):
-    """A fresh transformers DynamicCache holding kv [layers, 2, kv_heads, T, head_dim] (copied)."""
+def make_cache(kv: torch.Tensor | None, config, copy: bool = True):
+    """A fresh transformers DynamicCache holding kv [layers, 2, kv_heads, T, head_dim].
+
+    copy=True: the cache owns a copy. copy=False: its layers start as views of kv (no second pass
+    over the bytes); the model's updates concatenate into new tensors, so kv itself is never
+    written (a cache whose layers are not plain DynamicLayers is copied anyway)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     if kv is None or kv.shape[3] == 0:
         return DynamicCache(config=config)
+    if not copy:
+        cache = DynamicCache(config=config)
+        if len(cache.layers) == kv.shape[0] and all(type(layer) is DynamicLayer for layer in cache.layers):
+            for i, layer in enumerate(cache.layers):
+                k, v = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            return cache
     # [H, T, D] -> [1, H, T, D]; DynamicLayer.update concatenates, so the cache owns a copy
     return DynamicCache(ddp_cache_data=[(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])],
                         config=config)
@@ -69,7 +83,7 @@ def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=Non
         cache = DynamicCache(config=model.config)
     if cache.get_seq_length() != start:
         raise ValueError(f"cache holds {cache.get_seq_length()} tokens, start is {start}")
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long).unsqueeze(0)   # [1, T]
+    ids = ids_tensor(token_ids, model)                                     # [1, T] on the model's device
     for s in range(0, ids.shape[1], block_tokens):
         chunk = ids[:, s:s + block_tokens]
         out = model(input_ids=chunk, past_key_values=cache, use_cache=True)

@@ -1,22 +1,46 @@
-"""The manifest: the commit point of a store. Pure: no torch, no zarr.
+"""The manifest and the commit log: what a store holds. Pure: no torch, no zarr.
 
-Data arrays are append-only and may hold rows past the committed count after a crash;
-the manifest says how many rows are real. It is written last, atomically (temp file,
-fsync, rename, fsync of the directory), so a crash leaves the previous commit whole.
+A store's commit point is a log of small, write-once files:
+
+    manifest.json              the header, written once when the store is created: format,
+                               model fingerprint and geometry, block layout. Never rewritten.
+    log/00000001.json ...      one record per commit: the rows it appended (start row and the
+                               ids of its blocks), states and documents added or removed, rows
+                               reclaimed by gc. A commit exists once its record exists.
+    log/snapshot-00000064.json every SNAPSHOT_EVERY commits, the whole view at that commit, so
+                               opening reads one snapshot and at most SNAPSHOT_EVERY - 1 records.
+
+Every file is written to a temporary name, checked (short writes, ENOSPC), fsynced, then
+linked to its final name (never over an existing file) and its directory fsynced. A commit
+therefore costs the same however large the store is, and no committed file is rewritten.
+
+`Manifest` is the in-memory view: the header plus the result of replaying the log.
 """
 
 from __future__ import annotations
 
+import bisect
+import errno
 import json
 import os
+import re
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvmemory.errors import StoreCorruptError
+from kvmemory.errors import StoreCorruptError, StoreError
 
 FORMAT = "kvmemory-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+LOG_DIR = "log"
+SNAPSHOT_EVERY = 64
+ID_HEX = 32                        # hex digits of one block id
+_RECORD = re.compile(r"^(\d{8,})\.json$")
+_SNAPSHOT = re.compile(r"^snapshot-(\d{8,})\.json$")
+TEMP_SUFFIX = ".tmp"
+
+HEADER_FIELDS = ("fingerprint", "model", "block_tokens", "shard_blocks", "codec", "kv_dtype", "format", "version")
 
 
 @dataclass
@@ -41,67 +65,265 @@ class DocEntry:
 
 
 @dataclass
+class CommitRecord:
+    """One commit. Blocks [start, start + len(ids) / 32) were appended (ids: their block ids in hex)."""
+
+    commit: int
+    start: int = 0
+    ids: str = ""
+    tokens: int = 0
+    states: dict[str, StateEntry] = field(default_factory=dict)
+    docs: dict[str, DocEntry] = field(default_factory=dict)
+    removed_docs: list[str] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+    freed_tokens: int = 0
+    time: float = 0.0
+
+    @property
+    def n_new(self) -> int:
+        return len(self.ids) // ID_HEX
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "CommitRecord":
+        try:
+            raw = json.loads(text)
+            raw["states"] = {k: StateEntry(**v) for k, v in raw.get("states", {}).items()}
+            raw["docs"] = {k: DocEntry(**v) for k, v in raw.get("docs", {}).items()}
+            rec = cls(**raw)
+            bytes.fromhex(rec.ids)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
+        if len(rec.ids) % ID_HEX or rec.start < 0 or rec.commit < 1:
+            raise StoreCorruptError(f"{where} is inconsistent (start {rec.start}, {len(rec.ids)} id digits)")
+        return rec
+
+
+@dataclass
 class Manifest:
+    """The header of a store plus its committed contents at commit `commit`.
+
+    ranges: [(start, ids hex, time)] of every commit that appended blocks, in row order; freed: rows
+    reclaimed by gc. n_blocks counts committed blocks that are not freed; next_row is where the
+    next commit starts (the next shard boundary, so a commit never writes into a file an
+    earlier commit wrote).
+    """
+
     fingerprint: str
     model: dict                    # name, layers, kv_heads, head_dim, dtype, max_positions, rope
     block_tokens: int
     shard_blocks: int
     codec: str
     kv_dtype: str                  # torch dtype name of the KV ("float32", "bfloat16", ...)
-    n_blocks: int = 0              # committed rows in every data array
     commit: int = 0
     states: dict[str, StateEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
+    ranges: list[tuple[int, str, float]] = field(default_factory=list)
+    freed: set[int] = field(default_factory=set)
+    stored_tokens: int = 0
     format: str = FORMAT
     version: int = FORMAT_VERSION
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+    # ------------------------------------------------------------------ rows
+    @property
+    def rows_end(self) -> int:
+        if not self.ranges:
+            return 0
+        start, ids, _ = self.ranges[-1]
+        return start + len(ids) // ID_HEX
 
-    @classmethod
-    def from_json(cls, text: str, where: str = "manifest") -> "Manifest":
+    @property
+    def next_row(self) -> int:
+        s = self.shard_blocks
+        return -(-self.rows_end // s) * s
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(r[1]) // ID_HEX for r in self.ranges) - len(self.freed)
+
+    def is_committed(self, row: int) -> bool:
+        i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
+        if i < 0:
+            return False
+        start, ids, _ = self.ranges[i]
+        return row < start + len(ids) // ID_HEX and row not in self.freed
+
+    def committed_rows(self) -> list[int]:
+        return [r for start, ids, _ in self.ranges for r in range(start, start + len(ids) // ID_HEX)
+                if r not in self.freed]
+
+    def id_of(self, row: int) -> bytes:
+        i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
+        start, ids, _ = self.ranges[i]
+        return bytes.fromhex(ids[(row - start) * ID_HEX:(row - start + 1) * ID_HEX])
+
+    def committed_since(self, t: float) -> set[int]:
+        """Rows appended by commits at or after time t."""
+        return {r for start, ids, when in self.ranges if when >= t for r in range(start, start + len(ids) // ID_HEX)}
+
+    def ids(self):
+        """(block id, row) of every committed block, in row order."""
+        for start, ids, _ in self.ranges:
+            raw = bytes.fromhex(ids)
+            for i in range(len(ids) // ID_HEX):
+                if start + i not in self.freed:
+                    yield raw[i * 16:(i + 1) * 16], start + i
+
+    # ------------------------------------------------------------------ header
+    def header(self) -> dict:
+        return {k: getattr(self, k) for k in HEADER_FIELDS}
+
+    def header_json(self) -> str:
+        return json.dumps(self.header(), indent=1, sort_keys=True)
+
+    # ------------------------------------------------------------------ log
+    def apply(self, rec: CommitRecord, where: str = "") -> None:
+        """Replay one commit record onto this view (in place); StoreCorruptError if it does not fit."""
+        where = where or f"commit record {rec.commit}"
+        if rec.commit != self.commit + 1:
+            raise StoreCorruptError(f"{where}: expected commit {self.commit + 1}, found {rec.commit}")
+        if rec.n_new:
+            if rec.start < self.rows_end or rec.start % self.shard_blocks:
+                raise StoreCorruptError(f"{where}: blocks start at row {rec.start}, before the end of the "
+                                        f"last commit ({self.rows_end}) or off a shard boundary")
+            self.ranges.append((rec.start, rec.ids, rec.time))
+        self.stored_tokens += rec.tokens - rec.freed_tokens
+        self.freed.update(rec.freed)
+        self.states.update(rec.states)
+        self.docs.update(rec.docs)
+        for d in rec.removed_docs:
+            self.docs.pop(d, None)
+        self.commit = rec.commit
+        self.check(where)
+
+    def check(self, where: str) -> None:
+        bad = [s for s in self.states.values() if not self.is_committed(s.last_row)]
+        bad += [d for d in self.docs.values() if any(not self.is_committed(r) for r in d.rows)]
+        if bad:
+            raise StoreCorruptError(f"{where} is inconsistent: a state or document points at a row that is not "
+                                    "committed")
+
+    def snapshot_json(self) -> str:
+        return json.dumps({"commit": self.commit, "states": {k: asdict(v) for k, v in self.states.items()},
+                           "docs": {k: asdict(v) for k, v in self.docs.items()},
+                           "ranges": [list(r) for r in self.ranges], "freed": sorted(self.freed),
+                           "stored_tokens": self.stored_tokens}, sort_keys=True, separators=(",", ":"))
+
+    def load_snapshot(self, text: str, where: str) -> None:
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT:
-                raise StoreCorruptError(f"{where} is not a kvmemory manifest (format={raw.get('format')!r})")
+            self.commit = int(raw["commit"])
+            self.states = {k: StateEntry(**v) for k, v in raw["states"].items()}
+            self.docs = {k: DocEntry(**v) for k, v in raw["docs"].items()}
+            self.ranges = [(int(s), str(ids), float(t)) for s, ids, t in raw["ranges"]]
+            self.freed = {int(r) for r in raw["freed"]}
+            self.stored_tokens = int(raw["stored_tokens"])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
+        self.check(where)
+
+    @classmethod
+    def from_header(cls, text: str, where: str = "manifest") -> "Manifest":
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+                fmt = raw.get("format") if isinstance(raw, dict) else None
+                raise StoreCorruptError(f"{where} is not a kvmemory manifest (format={fmt!r})")
             if raw.get("version") != FORMAT_VERSION:
                 raise StoreCorruptError(
                     f"{where} has format version {raw.get('version')}, this kvmemory reads {FORMAT_VERSION}")
-            raw["states"] = {k: StateEntry(**v) for k, v in raw["states"].items()}
-            raw["docs"] = {k: DocEntry(**v) for k, v in raw.get("docs", {}).items()}
-            m = cls(**raw)
+            return cls(**{k: raw[k] for k in HEADER_FIELDS})
         except StoreCorruptError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
-        if m.n_blocks < 0 or any(not (0 <= s.last_row < m.n_blocks) for s in m.states.values()) \
-                or any(not (0 <= r < m.n_blocks) for d in m.docs.values() for r in d.rows):
-            raise StoreCorruptError(f"{where} is inconsistent: a state or document points past n_blocks={m.n_blocks}")
-        return m
+
+
+# ---------------------------------------------------------------------- files
+def record_path(root: Path, commit: int) -> Path:
+    return root / LOG_DIR / f"{commit:08d}.json"
+
+
+def snapshot_path(root: Path, commit: int) -> Path:
+    return root / LOG_DIR / f"snapshot-{commit:08d}.json"
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StoreCorruptError(f"{path} is not UTF-8: {e}") from None
 
 
 def read_manifest(root: Path) -> Manifest:
-    path = root / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise StoreCorruptError(f"{path} is not UTF-8: {e}") from None
-    return Manifest.from_json(text, where=str(path))
+    """The store's view at its newest commit: the header, the newest snapshot, the records after it."""
+    root = Path(root)
+    m = Manifest.from_header(_read_text(root / MANIFEST_NAME), where=str(root / MANIFEST_NAME))
+    log = root / LOG_DIR
+    snaps = sorted(int(x.group(1)) for x in map(_SNAPSHOT.match, os.listdir(log)) if x) if log.is_dir() else []
+    if snaps:
+        p = snapshot_path(root, snaps[-1])
+        m.load_snapshot(_read_text(p), str(p))
+    read_new_records(root, m)
+    return m
 
 
-def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Atomically replace root/manifest.json; durable once this returns."""
-    path = root / MANIFEST_NAME
-    tmp = root / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
-    data = manifest.to_json().encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def read_new_records(root: Path, m: Manifest) -> bool:
+    """Apply the records after m.commit (in place). One stat when nothing changed. True if any."""
+    changed = False
+    while True:
+        p = record_path(root, m.commit + 1)
+        try:
+            text = _read_text(p)
+        except FileNotFoundError:
+            return changed
+        m.apply(CommitRecord.from_json(text, str(p)), str(p))
+        changed = True
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path`, which must not exist, durably: temp file, every byte checked,
+    fsync, link into place, fsync of the directory. StoreError (nothing left behind) on failure."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
     try:
-        os.write(fd, data)
-        os.fsync(fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(errno.EIO, "write returned 0 bytes")
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(tmp, path)           # never over an existing file: EEXIST instead
+        fsync_dir(path.parent)
+    except FileExistsError:
+        raise StoreError(f"cannot write {path}: it already exists (two writers without a working lock?)") from None
+    except OSError as e:
+        why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        raise StoreError(f"cannot write {path}: {why}") from None
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(root)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def write_header(root: Path, m: Manifest) -> None:
+    write_new_file(root / MANIFEST_NAME, m.header_json().encode("utf-8"))
+
+
+def write_record(root: Path, rec: CommitRecord) -> None:
+    (root / LOG_DIR).mkdir(exist_ok=True)
+    write_new_file(record_path(root, rec.commit), rec.to_json().encode("utf-8"))
+
+
+def write_snapshot(root: Path, m: Manifest) -> None:
+    write_new_file(snapshot_path(root, m.commit), m.snapshot_json().encode("utf-8"))
 
 
 def fsync_dir(path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +12,8 @@ from pathlib import Path
 import torch
 
 from kvmemory import hashing, kv as kvops
+from kvmemory.decode import eos_ids, greedy
+from kvmemory.device import ids_tensor, to_host, to_model
 from kvmemory.config import RuntimeConfig, StoreConfig, from_env
 from kvmemory.errors import (InputError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError,
                              WindowExceededError)
@@ -17,6 +21,15 @@ from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry
 from kvmemory.model import fingerprint, geometry, load_model
 from kvmemory.store import BlockStore, NewBlock
 from kvmemory.store.info import describe
+
+
+def _locked(method):
+    """Run a Memory method under the Memory's lock: one operation at a time per Memory."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 @dataclass(frozen=True)
@@ -34,20 +47,24 @@ class State:
     kv: [layers, 2, kv_heads, n_tokens, head_dim] in the model's dtype (verified on load).
     """
 
-    def __init__(self, id: str, token_ids: list[int], kv: torch.Tensor, config, label: str = "") -> None:
+    def __init__(self, id: str, token_ids: list[int], kv: torch.Tensor, config, label: str = "",
+                 device: torch.device | str = "cpu") -> None:
         self.id = id
         self.token_ids = token_ids
         self.kv = kv
         self.label = label
         self._config = config
+        self._device = torch.device(device)
 
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
     def cache(self):
-        """A new transformers DynamicCache holding this state; the model may extend it freely."""
-        return kvops.make_cache(self.kv, self._config)
+        """A new transformers DynamicCache holding this state on the model's device; the model may extend it."""
+        if self.kv.device == self._device:      # views of self.kv: no second copy (the model never writes them)
+            return kvops.make_cache(self.kv, self._config, copy=False)
+        return kvops.make_cache(self.kv.to(self._device), self._config, copy=False)
 
     def __repr__(self) -> str:
         return f"State(id={self.id[:16]}…, n_tokens={self.n_tokens}, label={self.label!r})"
@@ -64,11 +81,18 @@ class Memory:
     StoreReadOnlyError. Use as a context manager or call close().
 
     segment_blocks: blocks per deposit segment for add() (default 4: 1,024 tokens).
+
+    A Memory may be shared between threads: its operations run one at a time (the model and the
+    store's caches are not reentrant); other processes may read and write the same store.
     """
 
     def __init__(self, path, model=None, *, tokenizer=None, store_config: StoreConfig | None = None,
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
                  dtype: torch.dtype | None = None, segment_blocks: int | None = None) -> None:
+        if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
+                                           or segment_blocks < 1):
+            raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
+        self._lock = threading.RLock()
         self.path = Path(path)
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir)
         exists = _check_path(self.path, read_only)
@@ -97,6 +121,7 @@ class Memory:
         self._segment_blocks = segment_blocks
 
     # ------------------------------------------------------------------ lifecycle
+    @_locked
     def close(self) -> None:
         self.store = None
         self._pager = None
@@ -111,31 +136,48 @@ class Memory:
     @property
     def pager(self):
         """The tiered pager (host RAM LRU, GPU pool when the model is on CUDA) over this store."""
-        if self._pager is None:
-            from kvmemory.pager import Pager
-            self._pager = Pager(self._store(), self._dtype, self.runtime.host_cache_bytes,
-                                self.runtime.gpu_cache_bytes, self.model.device)
+        with self._lock:
+            if self._pager is None:
+                from kvmemory.pager import Pager
+                self._pager = Pager(self.require_store(), self._dtype, self.runtime.host_cache_bytes,
+                                    self.runtime.gpu_cache_bytes, self.model.device)
         return self._pager
 
-    def _pager_forget(self, rows) -> None:
+    def forget_blocks(self, rows) -> None:
+        """Drop rows from the pager's caches (after their document was removed)."""
         if self._pager is not None:
             self._pager.forget(rows)
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The torch dtype of this model's KV (and of the store's blocks)."""
+        return self._dtype
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a generated answer."""
+        return eos_ids(self.tokenizer, self.model)
+
+    @property
     def documents(self):
+        with self._lock:
+            return self._documents_unlocked()
+
+    def _documents_unlocked(self):
         if self._documents is None:
             from kvmemory.documents import SEGMENT_BLOCKS, Documents
             self._documents = Documents(self, segment_blocks=self._segment_blocks or SEGMENT_BLOCKS)
         return self._documents
 
     # ------------------------------------------------------------------ documents
+    @_locked
     def add(self, text, doc_id: str | None = None, progress: bool = False, source: str = ""):
         """Deposit a long document: prefill it once (segment by segment), store its blocks, index them.
 
         text: str or UTF-8 bytes. doc_id: defaults to a hash of the text's tokens. Returns DocInfo.
         Atomic: the document becomes visible only once complete; a re-run resumes an interrupted add.
         """
-        self._store()
+        self.require_store()
         bar = _bar(progress, desc=f"add {doc_id or source or 'document'}")
         try:
             return self.documents.add(text, doc_id, source=source, progress=bar)
@@ -143,31 +185,23 @@ class Memory:
             if bar is not None:
                 bar.close()
 
+    @_locked
     def add_files(self, paths, progress: bool = False) -> list:
         """Deposit files; each file's name is its doc id. Checks every file before adding any."""
-        from kvmemory.documents import _check_doc_id, decode_text
-        paths = [Path(p) for p in paths]
-        names = [p.name for p in paths]
-        dupes = {n for n in names if names.count(n) > 1}
-        if dupes:
-            raise InputError(f"two files share the name(s) {sorted(dupes)}; doc ids come from file names")
-        blobs = []
+        from kvmemory.documents import read_files
+        paths, blobs = read_files(paths)
         for p in paths:
-            _check_doc_id(p.name)
-            try:
-                blobs.append(decode_text(p.read_bytes(), str(p)))
-            except OSError as e:
-                raise InputError(f"cannot read {p}: {e.strerror}") from None
-            if p.name in self._store().manifest.docs:
+            if p.name in self.require_store().manifest.docs:
                 raise InputError(f"document {p.name!r} already exists; remove it first")
         return [self.add(b, doc_id=p.name, progress=progress, source=str(p)) for p, b in zip(paths, blobs)]
 
+    @_locked
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
             recompute: float | None = None, expand: bool = True, min_relevance: float | None = None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
-        "bm25" alone; "keys": the model's own keys), grafts the top_k (default kvmemory.ask.TOP_K)
+        "bm25" alone; "keys": the model's own keys), grafts the top_k (default kvmemory.config.ASK_TOP_K)
         into a fixed-size window in document order, each with the blocks before it in its deposit
         segment (expand=True), and decodes greedily. recompute (0..1, default kvmemory.ask.RECOMPUTE)
         recomputes that fraction of the window's tokens (those whose K/V deviate most) so grafted
@@ -183,6 +217,7 @@ class Memory:
                         recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
                         min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance)
 
+    @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text") -> list[dict]:
         """The blocks ask() would select, without generating: [{doc_id, start_token, end_token,
         score, text}] best first (score: the selector's, higher is better)."""
@@ -191,7 +226,7 @@ class Memory:
             raise InputError("the question is empty")
         if not isinstance(k, int) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
-        store = self._store()
+        store = self.require_store()
         store.refresh()
         docs = self.documents
         ranked = rank_blocks(self, docs, question, selector, n=k)
@@ -206,14 +241,17 @@ class Memory:
                         "text": self.tokenizer.decode([int(t) for t in meta["tokens"][i][:n]])})
         return out
 
+    @_locked
     def docs(self) -> list:
         """Deposited documents, oldest first (DocInfo: doc_id, n_tokens, blocks, segments, source, created)."""
         return self.documents.docs()
 
+    @_locked
     def remove(self, doc_id: str) -> None:
         """Remove a document and its vectors (its blocks stay on disk, unreferenced)."""
         self.documents.remove(doc_id)
 
+    @_locked
     def reindex(self, selector: str | None = None, progress: bool = False) -> None:
         """Rebuild the selection indexes from the store (they are derived data): those `selector`
         needs, or all of them."""
@@ -231,9 +269,10 @@ class Memory:
 
     @property
     def block_tokens(self) -> int:
-        return self._store().manifest.block_tokens
+        return self.require_store().manifest.block_tokens
 
-    def _store(self) -> BlockStore:
+    def require_store(self) -> BlockStore:
+        """The open BlockStore; StoreError once this Memory is closed."""
         if self.store is None:
             raise StoreError(f"memory {self.path} is closed")
         return self.store
@@ -270,13 +309,14 @@ class Memory:
                 "split it, or deposit it as a document")
 
     # ------------------------------------------------------------------ states
+    @_locked
     def save(self, text_or_ids, label: str = "") -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
         recomputed. The commit is atomic: a crash leaves the store at its previous commit.
         """
-        store = self._store()
+        store = self.require_store()
         ids = self.tokenize(text_or_ids)
         self._check_window(len(ids), "the state")
         C = store.manifest.block_tokens
@@ -288,39 +328,35 @@ class Memory:
         prefix = self._read_chain([store.row_of(b) for b in chain[:have]])
         computed: dict[int, torch.Tensor] = {}
         if have < len(chain):
-            cache = kvops.make_cache(prefix, self.model.config)
+            cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
             for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
-                computed[p // C] = block_kv
+                computed[p // C] = to_host(block_kv)
         state_id = chain[-1].hex()
 
+        def kv_of(i: int):
+            return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])
+
         def build(s: BlockStore):
-            new, parent_row = [], -1
-            for i, bid in enumerate(chain):
-                row = s.row_of(bid)
-                if row is None:  # another writer may have committed it meanwhile: then reuse
-                    row = s.manifest.n_blocks + len(new)
-                    blk = computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C]
-                    new.append(NewBlock(bid, parent_row, ids[i * C:(i + 1) * C],
-                                        range(i * C, i * C + len(ids[i * C:(i + 1) * C])), kvops.to_storage(blk)))
-                parent_row = row
+            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of)   # another writer may have committed some
             if not new and state_id in s.manifest.states and not label:
                 return [], {}
-            return new, {state_id: StateEntry(last_row=parent_row, n_tokens=len(ids), label=label, created=time.time())}
+            return new, {state_id: StateEntry(last_row=rows[-1], n_tokens=len(ids), label=label, created=time.time())}
 
         store.commit(build)
         parts = [prefix] + [computed[i] for i in sorted(computed)]
         kv = torch.cat(parts, dim=3) if len(parts) > 1 else prefix
-        return State(state_id, ids, kv, self.model.config, label)
+        return State(state_id, ids, kv, self.model.config, label, self.model.device)
 
     def _read_chain(self, rows: list[int]) -> torch.Tensor:
         """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""
-        kv = kvops.from_storage(self._store().read_state_kv(rows), self._dtype)
+        kv = kvops.from_storage(self.require_store().read_state_kv(rows), self._dtype)
         kvops.check_geometry(kv, self.geometry)
         return kv
 
+    @_locked
     def resolve(self, state_id: str) -> str:
         """Full id of a committed state given its id or a unique prefix of >= 8 hex digits."""
-        store = self._store()
+        store = self.require_store()
         store.refresh()
         if not isinstance(state_id, str) or not state_id:
             raise InputError(f"a state id is a hex string, got {state_id!r}")
@@ -335,9 +371,10 @@ class Memory:
                 raise InputError(f"state id prefix {state_id} is ambiguous: {len(hits)} states match")
         raise StateNotFoundError(f"no state {state_id} in store {self.path}")
 
+    @_locked
     def load(self, state_id: str) -> State:
         """Verified read of a committed state: every block digest-checked, ids re-derived."""
-        store = self._store()
+        store = self.require_store()
         sid = self.resolve(state_id)
         entry = store.manifest.states[sid]
         rows = store.chain(entry.last_row)
@@ -349,10 +386,11 @@ class Memory:
         expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens)
         if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
             raise StoreCorruptError(f"store {self.path}: state {sid}'s block ids do not match its tokens")
-        return State(sid, ids, self._read_chain(rows), self.model.config, entry.label)
+        return State(sid, ids, self._read_chain(rows), self.model.config, entry.label, self.model.device)
 
+    @_locked
     def states(self) -> list[StateInfo]:
-        store = self._store()
+        store = self.require_store()
         store.refresh()
         return [StateInfo(k, v.n_tokens, v.label, v.created) for k, v in
                 sorted(store.manifest.states.items(), key=lambda kv: kv[1].created)]
@@ -372,6 +410,7 @@ class Memory:
         return self.tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False)
 
     @torch.inference_mode()
+    @_locked
     def generate(self, state, prompt, max_new_tokens: int = 64, chat: bool = False) -> str:
         """Greedy continuation of a state (State or id) after `prompt` (text or token ids).
 
@@ -383,36 +422,47 @@ class Memory:
         ids = self.tokenize(self.chat_turn(prompt) if chat and isinstance(prompt, str) else prompt)
         self._check_window(st.n_tokens + len(ids) + max_new_tokens, "state + prompt + max_new_tokens")
         cache = st.cache()
-        out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        eos = _eos_ids(self.tokenizer, self.model)
-        new: list[int] = []
-        while (nxt := int(out.logits[0, -1].argmax())) not in eos:
-            new.append(nxt)
-            if len(new) == max_new_tokens:   # no forward pass for a token we would not use
-                break
-            out = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids_tensor(ids, self.model), past_key_values=cache, use_cache=True)
+        new = greedy(self.model, cache, out.logits[0, -1], max_new_tokens, self.eos_ids)
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ maintenance
+    @_locked
+    def gc(self, grace_s: float = 3600.0):
+        """Reclaim the disk space of blocks no state or document uses any more (after remove()).
+
+        Blocks committed in the last grace_s seconds are kept (a document being added by another
+        process commits its blocks before the document). Safe against concurrent readers and a
+        crash mid-way. Returns GcReport(blocks_freed, bytes_freed, files_removed, files_rewritten)."""
+        if not isinstance(grace_s, (int, float)) or grace_s < 0:
+            raise InputError(f"grace_s must be a number of seconds >= 0, got {grace_s!r}")
+        store = self.require_store()
+        report = store.gc(float(grace_s))
+        self.forget_blocks(store.manifest.freed)
+        return report
+
+    @_locked
     def info(self, with_states: bool = False) -> dict:
         """Model, fingerprint, states, blocks, KV bytes, bytes on disk, compression ratio."""
-        store = self._store()
+        store = self.require_store()
         store.refresh()
         return describe(store, with_states)
 
     @torch.inference_mode()
+    @_locked
     def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
         """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
-        store = self._store()
+        store = self.require_store()
         store.refresh()
         checked = store.verify_all(None if recompute else progress)
         if not recompute:
             return checked
-        n = store.manifest.n_blocks
-        meta = store.block_meta(range(n))
+        rows = store.manifest.committed_rows()
+        meta = store.block_meta(rows)
         children: dict[int, list[int]] = {}
-        for row in range(n):
-            children.setdefault(int(meta["parent"][row]), []).append(row)
+        for i, row in enumerate(rows):
+            children.setdefault(int(meta["parent"][i]), []).append(row)
+        at = {row: i for i, row in enumerate(rows)}
         bad = list(checked)
         e1_bad = {row for row, _ in checked}
         cache = kvops.make_cache(None, self.model.config)
@@ -423,10 +473,10 @@ class Memory:
                 kvops.truncate(cache, before)
             else:
                 cache = kvops.make_cache(None, self.model.config)
-            k = int(meta["n_tokens"][row])
-            name = meta["block_id"][row].tobytes().hex()
-            toks = [int(t) for t in meta["tokens"][row][:k]]
-            pos = meta["positions"][row][:k]
+            k = int(meta["n_tokens"][at[row]])
+            name = meta["block_id"][at[row]].tobytes().hex()
+            toks = [int(t) for t in meta["tokens"][at[row]][:k]]
+            pos = meta["positions"][at[row]][:k]
             if list(pos) != list(range(before, before + k)):
                 bad.append((row, f"block {name}: positions are not {before}..{before + k - 1}"))
                 continue
@@ -453,16 +503,6 @@ def _bar(progress: bool, desc: str, total: int | None = None, unit: str = "tok")
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True)
-
-
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = set()
-    for v in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    return ids
 
 
 def _check_path(path: Path, read_only: bool) -> bool:

@@ -109,7 +109,7 @@ def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exac
     positions, the window is byte for byte the stored chain: logits equal (KL 0)."""
     r = random.Random()
     with kvmemory.Memory(tmp_path / "x.kvm", model=real_model) as mem:
-        text = _log_doc(r, 150, "The quartermaster's zyxquor token is 5581.", 100)
+        text = _log_doc(r, 150, "The quartermaster's zyxquor token is 5581.", 60)  # block 1 or 2 of segment 0
         mem.add(text, doc_id="log")
         ans = mem.ask("What is the zyxquor token?", top_k=1, selector="bm25", max_new_tokens=8)
         st = ans.stats

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from kvmemory.errors import StoreCorruptError
-from kvmemory.manifest import Manifest, StateEntry, read_manifest, write_manifest
+from kvmemory.errors import StoreCorruptError, StoreError
+from kvmemory.manifest import (CommitRecord, DocEntry, Manifest, StateEntry, read_manifest, write_header,
+                               write_new_file, write_record)
 
 
 def _m(**kw):
@@ -13,33 +14,60 @@ def _m(**kw):
     return Manifest(**base)
 
 
-def test_roundtrip(tmp_path):
-    m = _m(n_blocks=3, commit=2, states={"ab": StateEntry(last_row=2, n_tokens=9, label="x", created=1.5)})
-    write_manifest(tmp_path, m)
-    assert read_manifest(tmp_path) == m
+def _ids(n: int, seed: int = 0) -> str:
+    return "".join(f"{seed:08x}{i:024x}" for i in range(n))
 
 
-def test_failed_write_leaves_previous_commit(tmp_path, monkeypatch):
-    write_manifest(tmp_path, _m(n_blocks=1, commit=1, states={"a": StateEntry(0, 3)}))
+def test_header_and_records_replay(tmp_path):
+    write_header(tmp_path, _m())
+    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(3), tokens=10, time=1.0,
+                                        states={"ab": StateEntry(last_row=2, n_tokens=10, label="x", created=1.5)}))
+    write_record(tmp_path, CommitRecord(commit=2, start=4, ids=_ids(1, 1), tokens=4, time=2.0,
+                                        docs={"d": DocEntry(rows=[4], n_tokens=4, segments=1)}))
+    m = read_manifest(tmp_path)
+    assert m.commit == 2 and m.n_blocks == 4 and m.stored_tokens == 14 and m.next_row == 6
+    assert m.states["ab"].label == "x" and m.docs["d"].rows == [4]
+    assert [m.is_committed(r) for r in range(7)] == [True, True, True, False, True, False, False]
+    assert m.id_of(4) == bytes.fromhex(_ids(1, 1))
+
+
+def test_header_is_never_overwritten(tmp_path):
+    write_header(tmp_path, _m())
+    with pytest.raises(StoreError, match="already exists"):
+        write_header(tmp_path, _m(fingerprint="kvm1-other"))
+    assert read_manifest(tmp_path).fingerprint == "kvm1-x"
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     import kvmemory.manifest as mod
 
     def boom(*a):
-        raise OSError("disk full")
-    monkeypatch.setattr(mod.os, "replace", boom)
-    with pytest.raises(OSError):
-        write_manifest(tmp_path, _m(n_blocks=5, commit=2))
-    assert read_manifest(tmp_path).commit == 1
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(mod.os, "fsync", boom)
+    with pytest.raises(StoreError, match="disk full"):
+        write_new_file(tmp_path / "x.json", b"{}")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("text", ["{", "[]", json.dumps({"format": "other"}), json.dumps({"format": "kvmemory-store",
                                                                                           "version": 99})])
-def test_bad_manifest_is_corrupt(tmp_path, text):
+def test_bad_header_is_corrupt(tmp_path, text):
     (tmp_path / "manifest.json").write_text(text)
     with pytest.raises(StoreCorruptError):
         read_manifest(tmp_path)
 
 
-def test_state_pointing_past_blocks_is_corrupt(tmp_path):
-    write_manifest(tmp_path, _m(n_blocks=1, states={"a": StateEntry(last_row=4, n_tokens=3)}))
-    with pytest.raises(StoreCorruptError, match="past n_blocks"):
+def test_record_pointing_past_blocks_is_corrupt(tmp_path):
+    write_header(tmp_path, _m())
+    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(1), states={"a": StateEntry(last_row=4,
+                                                                                                 n_tokens=3)}))
+    with pytest.raises(StoreCorruptError, match="not committed"):
+        read_manifest(tmp_path)
+
+
+def test_record_off_a_shard_boundary_is_corrupt(tmp_path):
+    write_header(tmp_path, _m())
+    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(1)))
+    write_record(tmp_path, CommitRecord(commit=2, start=1, ids=_ids(1, 2)))   # must start at 2
+    with pytest.raises(StoreCorruptError, match="shard boundary"):
         read_manifest(tmp_path)

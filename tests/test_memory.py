@@ -216,3 +216,19 @@ def test_missing_model_package_is_a_clear_error(monkeypatch, tmp_path):
         default_model_dir(tmp_path)
     with pytest.raises(kvmemory.ModelLoadError, match="config.json"):
         kvmemory.Memory(tmp_path / "s.kvm", model=tmp_path)
+
+
+def test_state_cache_shares_the_restored_bytes_and_never_writes_them(mem, rng):
+    ids = [rng.randrange(49152) for _ in range(300)]
+    st = mem.load(mem.save(ids).id)
+    before = st.kv.clone()
+    cache = st.cache()
+    assert cache.layers[0].keys.data_ptr() == st.kv[0, 0].data_ptr()     # a view: no second copy
+    copied = kvmemory.kv.make_cache(st.kv, mem.model.config)               # the copying path
+    assert copied.layers[0].keys.data_ptr() != st.kv[0, 0].data_ptr()
+    suffix = torch.tensor([[rng.randrange(49152) for _ in range(9)]])
+    with torch.inference_mode():
+        a = mem.model(input_ids=suffix, past_key_values=cache).logits
+        b = mem.model(input_ids=suffix, past_key_values=copied).logits
+    assert torch.equal(a, b) and torch.equal(st.kv, before)
+    assert cache.get_seq_length() == 309

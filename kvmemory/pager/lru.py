@@ -56,6 +56,16 @@ class LRUTier:
         self._items[key] = (value, nbytes)
         self.used_bytes += nbytes
         self.stats.bytes_in += nbytes
+        self._evict()
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget; evicts the least recently used down to it at once."""
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._evict()
+
+    def _evict(self) -> None:
         while self.used_bytes > self.budget_bytes:
             _, (_, nb) = self._items.popitem(last=False)
             self.used_bytes -= nb

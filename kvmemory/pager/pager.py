@@ -71,7 +71,8 @@ class Pager:
             st.from_disk = len(misses)
             st.disk_bytes = blocks.nbytes
             for i, r in enumerate(misses):
-                v = kvops.from_storage(blocks[i], self.dtype)
+                # a copy of its own: a cached block must not keep the whole batch buffer alive
+                v = kvops.from_storage(blocks[i], self.dtype).clone()
                 if self.device.type == "cuda":
                     v = v.pin_memory()
                 self.host.put(r, v, v.numel() * v.element_size())

@@ -1,4 +1,4 @@
-"""What a store holds, read from its manifest and arrays; no model needed."""
+"""What a store holds, read from its header and commit log; no model, no block metadata."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 def describe(store: BlockStore, with_states: bool = False) -> dict:
     m = store.manifest
     per_token = m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * _ITEMSIZE[m.kv_dtype]
-    tokens = int(store.block_meta(range(m.n_blocks))["n_tokens"].sum()) if m.n_blocks else 0
+    tokens = m.stored_tokens
     disk = store.disk_bytes()
     out = {"path": str(store.root), "model": m.model["name"], "fingerprint": m.fingerprint,
-           "states": len(m.states), "blocks": m.n_blocks, "block_tokens": m.block_tokens, "codec": m.codec,
-           "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
+           "states": len(m.states), "documents": len(m.docs), "blocks": m.n_blocks, "block_tokens": m.block_tokens,
+           "codec": m.codec, "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
            "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
            "commit": m.commit}
     if with_states:

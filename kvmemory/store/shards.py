@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 
 from kvmemory import hashing
@@ -25,8 +27,16 @@ _MISSING = 2**64 - 1
 _READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvmemory-read")
 
 
-def direct_layout(array_dir: Path) -> tuple[int, int] | None:
-    """(blocks per shard, bytes per block) if array_dir uses the raw layout we read directly; else None."""
+@dataclass(frozen=True)
+class Layout:
+    per_shard: int        # blocks per shard file
+    block_bytes: int      # bytes of one raw block
+    raw: bool             # inner chunks are raw little-endian bytes (readable in place)
+
+
+def shard_layout(array_dir: Path) -> Layout | None:
+    """The shard layout of array_dir if it is kvmemory's (sharding_indexed, one block per inner chunk,
+    index of (offset, nbytes) pairs + crc32c at the end); None otherwise."""
     meta = json.loads((array_dir / "zarr.json").read_text())
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
@@ -34,8 +44,9 @@ def direct_layout(array_dir: Path) -> tuple[int, int] | None:
     cfg = codecs[0]["configuration"]
     inner = [c["name"] for c in cfg.get("codecs", [])]
     index = [c["name"] for c in cfg.get("index_codecs", [])]
-    endian = [c.get("configuration", {}).get("endian", "little") for c in cfg.get("codecs", [])]
-    if inner != ["bytes"] or index != ["bytes", "crc32c"] or cfg.get("index_location", "end") != "end" \
+    endian = [c.get("configuration", {}).get("endian", "little") for c in cfg.get("codecs", [])
+              if c["name"] == "bytes"]
+    if not inner or inner[0] != "bytes" or index != ["bytes", "crc32c"] or cfg.get("index_location", "end") != "end" \
             or endian != ["little"] or meta.get("chunk_key_encoding", {}).get("name") != "default":
         return None
     chunk = cfg["chunk_shape"]
@@ -43,7 +54,49 @@ def direct_layout(array_dir: Path) -> tuple[int, int] | None:
     if chunk[0] != 1 or list(chunk[1:]) != list(shard[1:]):
         return None
     itemsize = np.dtype(meta["data_type"]).itemsize
-    return shard[0], int(np.prod(chunk)) * itemsize
+    return Layout(shard[0], int(np.prod(chunk)) * itemsize, inner == ["bytes"])
+
+
+def rewrite_shard(path: Path, keep: set[int], per_shard: int) -> int:
+    """Rewrite a shard file with only the inner chunks `keep` (indices within the shard), their bytes
+    copied unchanged: temp file, fsync, rename, fsync of the directory. Returns bytes freed (0 if
+    nothing was to drop). Readers that opened the old file keep reading it whole."""
+    fd, size, index = _open_shard(path, per_shard, "")
+    try:
+        drop = [i for i in range(per_shard) if i not in keep and int(index[i, 0]) != _MISSING]
+        if not drop:
+            return 0
+        new_index = np.full((per_shard, 2), _MISSING, dtype="<u8")
+        body = bytearray()
+        for i in sorted(keep):
+            off, n = (int(x) for x in index[i])
+            if off == _MISSING:
+                continue
+            data = os.pread(fd, n, off)
+            if len(data) != n:
+                raise StoreCorruptError(f"shard file {path}: short read of inner chunk {i}")
+            new_index[i] = (len(body), n)
+            body += data
+    finally:
+        os.close(fd)
+    raw_index = new_index.tobytes()
+    body += raw_index + np.uint32(google_crc32c.value(raw_index)).tobytes()
+    tmp = path.with_name(f".{path.name}.gc.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size - len(body)
 
 
 def read_blocks(array_dir: Path, rows: list[int], out: np.ndarray, blocks_per_shard: int) -> None:

@@ -1,25 +1,37 @@
-"""BlockStore: blocks of KV as append-only Zarr v3 arrays plus a manifest (the commit point).
+"""BlockStore: blocks of KV as append-only Zarr v3 arrays plus a commit log (the commit point).
 
 Layout of a store directory:
-    manifest.json            committed row count, states, model fingerprint (written last)
+    manifest.json            header: format, model fingerprint and geometry, block layout (written once)
+    log/                     commit records and snapshots (kvmemory/manifest.py): the commit point
     data/                    Zarr v3 group; every array's first axis is the block row
-      kv        [N, layers, 2, kv_heads, C, head_dim]  raw KV words (bf16 as uint16), sharded
-      tokens    [N, C] int32 (-1 pads a partial block)
-      positions [N, C] int32 (-1 pads)
-      parent    [N] int64   row of the previous block, -1 at position 0
-      n_tokens  [N] int32
-      block_id  [N, 16] uint8  hash(fingerprint, parent id, tokens, positions)
-      digest    [N, 16] uint8  xxh3-128 of the block's valid KV bytes
+      kv        [R, layers, 2, kv_heads, C, head_dim]  raw KV words (bf16 as uint16), sharded
+      tokens    [R, C] int32 (-1 pads a partial block)
+      positions [R, C] int32 (-1 pads)
+      parent    [R] int64   row of the previous block, -1 at position 0
+      n_tokens  [R] int32
+      block_id  [R, 16] uint8  hash(fingerprint, parent id, tokens, positions)
+      digest    [R, 16] uint8  xxh3-128 of the block's valid KV bytes
+    index/                   selection indexes (derived data)
     .lock                    writer lock
 
-Rows past manifest.n_blocks are leftovers of an interrupted write: ignored and overwritten.
+Arrays are created once with a fixed capacity of R = 2**32 rows (absent chunks are fill), so
+no commit rewrites their metadata. Every commit starts at a shard boundary and every array is
+chunked (kv: sharded) by `shard_blocks` rows, so a commit writes only new files: its kv shards,
+its metadata chunks and its log record; it fsyncs exactly those files and their directories,
+then writes the record. Rows a commit did not reach (a crash, a full disk) are ignored, and
+their files are removed by the next writer. Block metadata is read lazily, chunk by chunk:
+opening a store reads the header and the log only.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +42,18 @@ from zarr.storage import LocalStore
 
 from kvmemory import hashing
 from kvmemory.errors import StoreCorruptError, StoreError, StoreReadOnlyError
-from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry, fsync_dir, read_manifest, write_manifest
+from kvmemory.manifest import (LOG_DIR, MANIFEST_NAME, SNAPSHOT_EVERY, TEMP_SUFFIX, CommitRecord, DocEntry, Manifest,
+                               StateEntry, fsync_dir, read_manifest, read_new_records, write_header, write_record,
+                               write_snapshot)
 from kvmemory.store import shards
 from kvmemory.store.lock import writer_lock
 
 # numpy dtype that holds each KV dtype's raw words losslessly (Zarr has no bfloat16)
 STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
-META_CHUNK_ROWS = 1024
+ROW_CAPACITY = 1 << 32
 META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest")
+ARRAYS = ("kv", *META_ARRAYS)
+TRACE_ENV = "KVMEMORY_TRACE_COMMITS"      # a file to append "begin/end <time>" of each commit to
 
 
 @dataclass
@@ -51,8 +67,26 @@ class NewBlock:
     kv: np.ndarray
 
 
+@dataclass
+class Change:
+    """What one commit adds or removes (returned by the `build` function given to commit)."""
+
+    blocks: list[NewBlock]
+    states: dict[str, StateEntry]
+    docs: dict[str, DocEntry]
+    removed_docs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GcReport:
+    blocks_freed: int
+    bytes_freed: int
+    files_removed: int
+    files_rewritten: int
+
+
 class BlockStore:
-    """The on-disk truth. Opening verifies the manifest; every block read verifies its digest."""
+    """The on-disk truth. Opening reads the header and the log; every block read verifies its digest."""
 
     def __init__(self, root: Path, read_only: bool = False, lock_timeout_s: float = 30.0) -> None:
         self.root = Path(root)
@@ -60,9 +94,12 @@ class BlockStore:
         self.lock_timeout_s = lock_timeout_s
         self.manifest = read_manifest(self.root)
         self._open_arrays()
-        self._ids: dict[bytes, int] = {}
-        self._meta: dict[str, np.ndarray] = {}
-        self._index_rows(0, self.manifest.n_blocks)
+        self._chunks: dict[int, dict[str, np.ndarray]] = {}   # metadata chunk -> arrays (committed: immutable)
+        self._ids: dict[bytes, int] | None = None             # built on first row_of
+        self._writable: dict[str, zarr.Array] | None = None
+        self._cleaned = False
+        self._mutex = threading.RLock()                        # one thread at a time changes this object
+        self._lock_depth = 0
 
     # ---------------------------------------------------------------- create / open
     @classmethod
@@ -82,54 +119,118 @@ class BlockStore:
         with writer_lock(root, lock_timeout_s):
             if (root / MANIFEST_NAME).exists():  # another process created it meanwhile
                 return cls(root, lock_timeout_s=lock_timeout_s)
-            g = zarr.open_group(store=LocalStore(root / "data"), mode="w", zarr_format=3)
-            m = manifest
-            C = m.block_tokens
-            kv_shape = (m.model["layers"], 2, m.model["kv_heads"], C, m.model["head_dim"])
-            codecs = None
-            if m.codec == "zstd":
-                codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")]
-            g.create_array("kv", shape=(0, *kv_shape), dtype=STORAGE_DTYPE[m.kv_dtype],
-                           chunks=(1, *kv_shape), shards=(m.shard_blocks, *kv_shape),
-                           compressors=codecs, fill_value=0)
-            for name, shape, dtype, fill in (
-                ("tokens", (C,), "int32", -1), ("positions", (C,), "int32", -1),
-                ("parent", (), "int64", -1), ("n_tokens", (), "int32", 0),
-                ("block_id", (hashing.ID_BYTES,), "uint8", 0), ("digest", (hashing.ID_BYTES,), "uint8", 0),
-            ):
-                g.create_array(name, shape=(0, *shape), dtype=dtype, chunks=(META_CHUNK_ROWS, *shape),
-                               compressors=None, fill_value=fill)
-            _fsync_tree(root / "data")
-            write_manifest(root, manifest)  # last: the store exists once this lands
+            shutil.rmtree(root / "data", ignore_errors=True)   # an earlier create that did not finish
+            try:
+                _create_arrays(root, manifest)
+                (root / LOG_DIR).mkdir(exist_ok=True)
+                for d in (root / "data", root / LOG_DIR, root):
+                    fsync_dir(d)
+            except OSError as e:
+                raise StoreError(f"cannot create store {root}: {e.strerror or e}") from None
+            write_header(root, manifest)  # last: the store exists once this lands
         return cls(root, lock_timeout_s=lock_timeout_s)
 
     def _open_arrays(self) -> None:
         try:
             store = LocalStore(self.root / "data", read_only=True)
             g = zarr.open_group(store=store, mode="r", zarr_format=3)
-            self._arr = {name: g[name] for name in
-                         ("kv", "tokens", "positions", "parent", "n_tokens", "block_id", "digest")}
+            self._arr = {name: g[name] for name in ARRAYS}
         except Exception as e:  # zarr raises many types for a damaged group; name the store
             raise StoreCorruptError(f"store {self.root}: cannot open its Zarr arrays: {e}") from None
-        # our own raw layout is read straight from the shard files (see shards.py)
-        self._direct = shards.direct_layout(self.root / "data" / "kv")
         for name, a in self._arr.items():
-            if a.shape[0] < self.manifest.n_blocks:
-                raise StoreCorruptError(
-                    f"store {self.root}: array {name} has {a.shape[0]} rows, manifest commits "
-                    f"{self.manifest.n_blocks}")
+            per = a.shards[0] if name == "kv" and a.shards else a.chunks[0]
+            if a.shape[0] != ROW_CAPACITY or per != self.manifest.shard_blocks:
+                raise StoreCorruptError(f"store {self.root}: array {name} has shape {a.shape} and {per} rows per "
+                                        f"file; this layout needs {ROW_CAPACITY} rows, {self.manifest.shard_blocks} "
+                                        "per file")
+        # our own shard layout is read straight from the files (see shards.py)
+        self._layout = shards.shard_layout(self.root / "data" / "kv")
+        self._direct = self._layout if self._layout is not None and self._layout.raw else None
 
-    def _writable_arrays(self) -> dict[str, zarr.Array]:
-        g = zarr.open_group(store=LocalStore(self.root / "data"), mode="r+", zarr_format=3)
-        return {name: g[name] for name in self._arr}
+    # ---------------------------------------------------------------- queries
+    @property
+    def n_blocks(self) -> int:
+        """Committed blocks (not reclaimed by gc)."""
+        return self.manifest.n_blocks
 
-    def _index_rows(self, start: int, stop: int) -> None:
-        """Load metadata of committed rows [start, stop): committed rows never change, so it is kept."""
+    @property
+    def next_row(self) -> int:
+        """Row of the first block the next commit appends."""
+        return self.manifest.next_row
+
+    def is_committed(self, row: int) -> bool:
+        return self.manifest.is_committed(int(row))
+
+    def row_of(self, block_id: bytes) -> int | None:
+        with self._mutex:
+            if self._ids is None:
+                self._ids = {}
+                for bid, row in self.manifest.ids():
+                    self._ids.setdefault(bid, row)
+            return self._ids.get(block_id)
+
+    @property
+    def loaded_metadata_chunks(self) -> int:
+        """How many metadata chunks this object has read (opening reads none)."""
+        return len(self._chunks)
+
+    def refresh(self) -> None:
+        """Pick up commits made by other processes since this store was opened (one stat if none)."""
+        with self._mutex:
+            before = self.manifest.commit
+            if not read_new_records(self.root, self.manifest):
+                return
+            self._after_records(before)
+
+    def _after_records(self, before: int) -> None:
+        if self._ids is None:
+            return
+        freed = self.manifest.freed
+        for bid, row in list(self._ids.items()):
+            if row in freed:
+                del self._ids[bid]
+        # new ranges: rows at or past the first row not yet in the map
+        known = max(self._ids.values(), default=-1)
+        for start, ids, _ in self.manifest.ranges:
+            if start + len(ids) // 32 <= known:
+                continue
+            raw = bytes.fromhex(ids)
+            for i in range(len(ids) // 32):
+                if start + i > known and start + i not in freed:
+                    self._ids.setdefault(raw[i * 16:(i + 1) * 16], start + i)
+
+    def chain(self, last_row: int) -> list[int]:
+        """Rows from position 0 to last_row, following parent pointers."""
+        rows = []
+        row = int(last_row)
+        while row != -1:
+            if not self.is_committed(row) or len(rows) > self.manifest.n_blocks:
+                raise StoreCorruptError(f"store {self.root}: broken parent chain at row {row}")
+            rows.append(row)
+            row = int(self.block_meta([row])["parent"][0])
+        return rows[::-1]
+
+    def block_meta(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """tokens, positions, n_tokens, parent, block_id, digest of the given committed rows.
+
+        Metadata chunks are read on first use (contiguous chunks in one request) and kept."""
+        rows = [int(r) for r in rows]
+        S = self.manifest.shard_blocks
+        with self._mutex:
+            need = sorted({r // S for r in rows} - self._chunks.keys())
+            for c0, c1 in _runs(need):
+                parts = {name: self._read(name, c0 * S, c1 * S) for name in META_ARRAYS}
+                for c in range(c0, c1):
+                    self._chunks[c] = {name: a[(c - c0) * S:(c - c0 + 1) * S] for name, a in parts.items()}
+            chunks = self._chunks
+        out = {}
         for name in META_ARRAYS:
-            part = self._read(name, start, stop) if stop > start else self._arr[name][0:0]
-            self._meta[name] = part if start == 0 else np.concatenate([self._meta[name][:start], part])
-        for row in range(start, stop):
-            self._ids[self._meta["block_id"][row].tobytes()] = row
+            a = self._arr[name]
+            buf = np.empty((len(rows), *a.shape[1:]), a.dtype)
+            for i, r in enumerate(rows):
+                buf[i] = chunks[r // S][name][r % S]
+            out[name] = buf
+        return out
 
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
         try:
@@ -137,57 +238,45 @@ class BlockStore:
         except Exception as e:
             raise StoreCorruptError(f"store {self.root}: cannot read {name} rows {start}..{stop - 1}: {e}") from None
 
-    # ---------------------------------------------------------------- queries
-    @property
-    def n_blocks(self) -> int:
-        return self.manifest.n_blocks
+    def verified_meta(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """block_meta of committed rows whose ids re-derive from their parent's id, tokens and positions,
+        and whose positions are consecutive: metadata a RoPE shift or a graft may rely on."""
+        rows = [int(r) for r in rows]
+        self._check_committed(rows)
+        meta = self.block_meta(rows)
+        parents = [int(p) for p in meta["parent"]]
+        pmeta = self.block_meta([p for p in parents if p >= 0])
+        pid = iter(pmeta["block_id"])
+        fp = self.manifest.fingerprint
+        for i, r in enumerate(rows):
+            n = int(meta["n_tokens"][i])
+            pos = meta["positions"][i][:n]
+            parent_id = next(pid).tobytes() if parents[i] >= 0 else hashing.ROOT_PARENT
+            bid = meta["block_id"][i].tobytes()
+            if not (0 < n <= self.manifest.block_tokens) or np.any(np.diff(pos) != 1) or \
+                    hashing.block_id(fp, parent_id, meta["tokens"][i][:n], pos) != bid or \
+                    self.manifest.id_of(r) != bid:
+                raise StoreCorruptError(f"store {self.root}: block {bid.hex()} (row {r}): its id does not match "
+                                        "its parent, tokens and positions")
+        return meta
 
-    def row_of(self, block_id: bytes) -> int | None:
-        return self._ids.get(block_id)
-
-    def refresh(self) -> None:
-        """Pick up commits made by other processes since this store was opened."""
-        m = read_manifest(self.root)
-        if m.commit == self.manifest.commit:
-            return
-        if m.fingerprint != self.manifest.fingerprint:
-            raise StoreCorruptError(f"store {self.root}: fingerprint changed under an open store")
-        old = self.manifest.n_blocks
-        self.manifest = m
-        self._open_arrays()
-        self._index_rows(old, m.n_blocks)
-
-    def chain(self, last_row: int) -> list[int]:
-        """Rows from position 0 to last_row, following parent pointers."""
-        parents = self._meta["parent"]
-        rows = []
-        row = last_row
-        while row != -1:
-            if not (0 <= row < self.manifest.n_blocks) or len(rows) > self.manifest.n_blocks:
-                raise StoreCorruptError(f"store {self.root}: broken parent chain at row {row}")
-            rows.append(row)
-            row = int(parents[row])
-        return rows[::-1]
-
-    def block_meta(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
-        """tokens, positions, n_tokens, parent, block_id, digest of the given committed rows."""
-        idx = np.asarray(list(rows), dtype=np.int64)
-        return {name: arr[idx] for name, arr in self._meta.items()}
+    def _check_committed(self, rows: Iterable[int]) -> None:
+        for r in rows:
+            if not self.is_committed(r):
+                why = "was reclaimed by gc" if r in self.manifest.freed else "is not committed"
+                raise StoreCorruptError(f"store {self.root}: row {r} {why}")
 
     def read_kv(self, rows: Sequence[int], verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """KV of committed rows, digest-checked. Returns (kv [k, L, 2, H, C, D], n_tokens [k]).
 
-        Contiguous runs of rows are read with one slice each, so Zarr fetches their chunks
-        concurrently. Raises StoreCorruptError naming the first bad block.
+        Raises StoreCorruptError naming the first bad block.
         """
         rows = [int(r) for r in rows]
-        for r in rows:
-            if not (0 <= r < self.manifest.n_blocks):
-                raise StoreCorruptError(f"store {self.root}: row {r} is not committed")
+        self._check_committed(rows)
         meta = self.block_meta(rows)
         if self._direct is not None:
             kv = np.empty((len(rows), *self._arr["kv"].shape[1:]), dtype=self._arr["kv"].dtype)
-            shards.read_blocks(self.root / "data" / "kv", rows, kv, self._direct[0])
+            shards.read_blocks(self.root / "data" / "kv", rows, kv, self._direct.per_shard)
         else:
             parts = [self._read("kv", start, stop) for start, stop in _runs(rows)]
             kv = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -196,21 +285,29 @@ class BlockStore:
                 self._check_digest(r, kv[i], int(meta["n_tokens"][i]), meta["digest"][i], meta["block_id"][i])
         return kv, meta["n_tokens"]
 
-    def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:
-        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words."""
+    def read_state_kv(self, rows: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words.
+
+        out: an optional C-contiguous destination of that shape and dtype (e.g. a torch tensor's numpy view)."""
         rows = [int(r) for r in rows]
+        self._check_committed(rows)
         meta = self.block_meta(rows)
         n = [int(x) for x in meta["n_tokens"]]
         shape = self._arr["kv"].shape
+        want = (shape[1], shape[2], shape[3], sum(n), shape[5])
+        if out is not None and (out.shape != want or out.dtype != self._arr["kv"].dtype
+                                or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous {want} {self._arr['kv'].dtype} array")
         if self._direct is None:      # compressed chunks: zarr decodes, then one concatenation
-            if not rows:
-                return np.zeros((*shape[1:4], 0, shape[5]), dtype=self._arr["kv"].dtype)
-            kv, _ = self.read_kv(rows)
-            return np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3)
-        out = np.empty((shape[1], shape[2], shape[3], sum(n), shape[5]), dtype=self._arr["kv"].dtype)
+            res = np.zeros(want, dtype=self._arr["kv"].dtype) if out is None else out
+            if rows:
+                kv, _ = self.read_kv(rows)
+                np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3, out=res)
+            return res
+        res = np.empty(want, dtype=self._arr["kv"].dtype) if out is None else out
         shards.read_state(self.root / "data" / "kv", rows, n, [d.tobytes() for d in meta["digest"]],
-                          [b.tobytes().hex() for b in meta["block_id"]], out, self._direct[0])
-        return out
+                          [b.tobytes().hex() for b in meta["block_id"]], res, self._direct.per_shard)
+        return res
 
     def _check_digest(self, row: int, kv: np.ndarray, n: int, want: np.ndarray, bid: np.ndarray) -> None:
         got = block_digest(kv, n)
@@ -219,70 +316,161 @@ class BlockStore:
                 f"store {self.root}: block {bid.tobytes().hex()} (row {row}) failed its digest check: "
                 f"stored {want.tobytes().hex()}, read {got.hex()}")
 
-    def verify_all(self, progress: Iterable | None = None) -> list[tuple[int, str]]:
-        """E1 over every committed block: KV digest, and the id re-derived from parent, tokens, positions.
-
-        Returns [(row, reason)] of bad blocks; empty if all are good.
-        """
+    def verify_all(self, progress=None) -> list[tuple[int, str]]:
+        """E1 over every committed block: KV digest, the id re-derived from parent, tokens, positions,
+        and the id the commit log recorded. Returns [(row, reason)] of bad blocks; empty if all are good."""
         bad = []
-        n = self.manifest.n_blocks
-        meta = self.block_meta(range(n))
-        for row in (progress if progress is not None else range(n)):
-            bid = meta["block_id"][row].tobytes()
-            k = int(meta["n_tokens"][row])
-            parent = int(meta["parent"][row])
-            parent_id = meta["block_id"][parent].tobytes() if parent >= 0 else hashing.ROOT_PARENT
-            if not (-1 <= parent < row) or hashing.block_id(self.manifest.fingerprint, parent_id,
-                                                             meta["tokens"][row][:k], meta["positions"][row][:k]) != bid:
-                bad.append((row, f"block {bid.hex()} (row {row}): its id does not match its parent, tokens and positions"))
-                continue
-            try:
-                self.read_kv([row])
-            except StoreCorruptError as e:
-                bad.append((row, str(e)))
+        rows = self.manifest.committed_rows()
+        for part in range(0, len(rows), 64):
+            chunk = rows[part:part + 64]
+            for row in chunk:
+                try:
+                    self.verified_meta([row])
+                    parent = int(self.block_meta([row])["parent"][0])
+                    if parent >= row or (parent >= 0 and not self.is_committed(parent)):
+                        raise StoreCorruptError(f"block (row {row}): its parent row {parent} is not an earlier "
+                                                "committed block")
+                except StoreCorruptError as e:
+                    bad.append((row, str(e)))
+                    continue
+                try:
+                    self.read_kv([row])
+                except StoreCorruptError as e:
+                    bad.append((row, str(e)))
+            if progress is not None:
+                progress.update(len(chunk))
         return bad
 
     # ---------------------------------------------------------------- writes
-    def commit(self, build) -> Manifest:
+    @contextmanager
+    def write_lock(self):
+        """The store's writer lock (across processes), re-entrant within this object."""
+        if self.read_only:
+            raise StoreReadOnlyError(f"store {self.root} is open read-only")
+        with self._mutex:
+            if self._lock_depth:
+                self._lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth -= 1
+                return
+            with writer_lock(self.root, self.lock_timeout_s):
+                self._lock_depth = 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth = 0
+
+    def commit(self, build: Callable[["BlockStore"], "Change | tuple"],
+               after: Callable[[Manifest], None] | None = None) -> Manifest:
         """Run one write transaction under the writer lock.
 
-        `build(store)` is called with the store refreshed to the newest commit; it returns
-        (new_blocks, new_states) or (new_blocks, new_states, new_docs, removed_doc_ids), where
-        new_blocks were made against the refreshed ids. Data is written and fsynced first, the
-        manifest last: a crash leaves the old commit whole.
+        `build(store)` is called with the store refreshed to the newest commit; it returns a
+        Change (or the tuple (blocks, states[, docs, removed_doc_ids])), its new blocks made
+        against the refreshed ids (rows from store.next_row on). Data files are written and
+        fsynced first, the commit record last: a crash or a full disk leaves the previous commit
+        whole. `after(manifest)` runs once the commit is durable, still under the lock.
         """
         if self.read_only:
             raise StoreReadOnlyError(f"store {self.root} is open read-only")
-        with writer_lock(self.root, self.lock_timeout_s):
-            self.refresh()
-            result = build(self)
-            new_blocks, new_states = result[0], result[1]
-            new_docs, removed_docs = (result[2], result[3]) if len(result) > 2 else ({}, ())
-            m = self.manifest
-            if not new_blocks and not new_states and not new_docs and not removed_docs:
-                return m
-            start = m.n_blocks
-            if new_blocks:
-                self._append(start, new_blocks)
-            states = {**m.states, **new_states}
-            docs = {k: v for k, v in {**m.docs, **new_docs}.items() if k not in removed_docs}
-            new_m = Manifest(**{**m.__dict__, "n_blocks": start + len(new_blocks),
-                                "commit": m.commit + 1, "states": states, "docs": docs})
-            write_manifest(self.root, new_m)
-            self.manifest = new_m
-            self._open_arrays()
-            self._index_rows(start, new_m.n_blocks)
-            return new_m
+        with self.write_lock():
+            _trace("begin")
+            try:
+                self.refresh()
+                if not self._cleaned:
+                    self.clean_leftovers()
+                ch = build(self)
+                if not isinstance(ch, Change):
+                    ch = Change(ch[0], ch[1], *(ch[2:4] if len(ch) > 2 else ({}, ())))
+                m = self.manifest
+                if not ch.blocks and not ch.states and not ch.docs and not ch.removed_docs:
+                    return m
+                start = m.next_row
+                self._check_refs(ch, start)
+                rec = CommitRecord(commit=m.commit + 1, start=start if ch.blocks else 0,
+                                   ids="".join(b.block_id.hex() for b in ch.blocks),
+                                   tokens=sum(len(b.tokens) for b in ch.blocks), states=dict(ch.states),
+                                   docs=dict(ch.docs), removed_docs=list(ch.removed_docs), time=time.time())
+                files: list[Path] = []
+                try:
+                    if ch.blocks:
+                        files = self._append(start, ch.blocks)
+                    write_record(self.root, rec)
+                except BaseException:
+                    for f in files:                   # rows no commit names: nothing may keep them
+                        _unlink(f)
+                    raise
+                self._apply(rec)
+                if rec.commit % SNAPSHOT_EVERY == 0:
+                    try:
+                        write_snapshot(self.root, self.manifest)
+                    except StoreError:
+                        pass                          # an optimisation: the records alone are complete
+                if after is not None:
+                    after(self.manifest)
+                return self.manifest
+            finally:
+                _trace("end")
 
-    def _append(self, start: int, blocks: list[NewBlock]) -> None:
-        t0 = time.time()                 # before the resize: the new shapes must be fsynced too
+    def _check_refs(self, ch: Change, start: int) -> None:
+        """A commit may only name rows that are committed or that it appends."""
+        new = range(start, start + len(ch.blocks))
+        rows = [s.last_row for s in ch.states.values()] + [r for d in ch.docs.values() for r in d.rows]
+        lost = [r for r in rows if r not in new and not self.is_committed(r)]
+        if lost:
+            why = "were reclaimed by gc meanwhile" if any(r in self.manifest.freed for r in lost) else \
+                "are not committed"
+            raise StoreError(f"store {self.root}: this commit names block rows that {why} "
+                             f"({lost[:5]}); nothing was written: run it again")
+
+    def _apply(self, rec: CommitRecord) -> None:
+        before = self.manifest.commit
+        self.manifest.apply(rec)
+        self._after_records(before)
+
+    def plan_chain(self, chain: Sequence[bytes], tokens: Sequence[int], start: int, parent_row: int,
+                   kv_of: Callable[[int], np.ndarray]) -> tuple[list[NewBlock], list[int]]:
+        """The one chain builder: blocks chain[i] (tokens[i*C:(i+1)*C] at positions start + i*C ..)
+        that the store lacks become NewBlocks (kv_of(i): storage words), rows from next_row on.
+        Returns (new blocks, the row of every block of the chain)."""
+        C = self.manifest.block_tokens
+        new: list[NewBlock] = []
+        rows: list[int] = []
+        for i, bid in enumerate(chain):
+            row = self.row_of(bid)
+            if row is None:
+                row = self.next_row + len(new)
+                toks = np.asarray(tokens[i * C:(i + 1) * C])
+                new.append(NewBlock(bid, parent_row, toks, np.arange(start + i * C, start + i * C + len(toks)),
+                                    kv_of(i)))
+            rows.append(row)
+            parent_row = row
+        return new, rows
+
+    def _writable_arrays(self) -> dict[str, zarr.Array]:
+        if self._writable is None:
+            g = zarr.open_group(store=LocalStore(self.root / "data"), mode="r+", zarr_format=3)
+            self._writable = {name: g[name] for name in ARRAYS}
+        return self._writable
+
+    def _files_of(self, first_chunk: int, last_chunk: int) -> list[Path]:
+        """The data files holding metadata chunks / kv shards first..last (inclusive)."""
+        out = []
+        for name in ARRAYS:
+            a = self._arr[name]
+            for c in range(first_chunk, last_chunk + 1):
+                out.append(self.root / "data" / name / "c" / "/".join([str(c)] + ["0"] * (a.ndim - 1)))
+        return out
+
+    def _append(self, start: int, blocks: list[NewBlock]) -> list[Path]:
+        """Write new rows [start, start + k) into new files; fsync them. Returns the files written."""
         arrs = self._writable_arrays()
         k = len(blocks)
-        C = self.manifest.block_tokens
-        need = start + k
-        for a in arrs.values():
-            if a.shape[0] < need:
-                a.resize((need, *a.shape[1:]))
+        S, C = self.manifest.shard_blocks, self.manifest.block_tokens
+        files = self._files_of(start // S, (start + k - 1) // S)
+        for f in files:                              # leftovers of an interrupted commit: never merged
+            _unlink(f)
         kv = np.zeros((k, *arrs["kv"].shape[1:]), dtype=arrs["kv"].dtype)
         tokens = np.full((k, C), -1, np.int32)
         positions = np.full((k, C), -1, np.int32)
@@ -296,20 +484,186 @@ class BlockStore:
             tokens[i, :n] = b.tokens
             positions[i, :n] = b.positions
             digests[i] = np.frombuffer(block_digest(kv[i], n), np.uint8)
-        sl = slice(start, need)
-        arrs["kv"][sl] = kv
-        arrs["tokens"][sl] = tokens
-        arrs["positions"][sl] = positions
-        arrs["parent"][sl] = np.array([b.parent_row for b in blocks], np.int64)
-        arrs["n_tokens"][sl] = np.array([len(b.tokens) for b in blocks], np.int32)
-        arrs["block_id"][sl] = np.stack([np.frombuffer(b.block_id, np.uint8) for b in blocks])
-        arrs["digest"][sl] = digests
-        # mtime has coarse granularity on some filesystems: look a little further back
-        _fsync_tree(self.root / "data", since=t0 - 2.0)
+        sl = slice(start, start + k)
+        try:
+            with zarr.config.set({"array.write_empty_chunks": True}):   # an all-zero block is still a block
+                arrs["kv"][sl] = kv
+                arrs["tokens"][sl] = tokens
+                arrs["positions"][sl] = positions
+                arrs["parent"][sl] = np.array([b.parent_row for b in blocks], np.int64)
+                arrs["n_tokens"][sl] = np.array([len(b.tokens) for b in blocks], np.int32)
+                arrs["block_id"][sl] = np.stack([np.frombuffer(b.block_id, np.uint8) for b in blocks])
+                arrs["digest"][sl] = digests
+            _fsync_files(files, self.root / "data")
+        except OSError as e:
+            for f in files:
+                _unlink(f)
+            why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            raise StoreError(f"store {self.root}: cannot write blocks: {why}; the store stays at commit "
+                             f"{self.manifest.commit}") from None
+        return files
+
+    def clean_leftovers(self) -> int:
+        """Remove what interrupted writes left: temp files, and data files past the last commit.
+        Called under the writer lock on a writer's first commit. Returns the files removed."""
+        removed = 0
+        for dirpath, _, names in os.walk(self.root):
+            for f in names:
+                if f.endswith(".partial") or (f.startswith(".") and f.endswith(TEMP_SUFFIX)):
+                    removed += _unlink(Path(dirpath) / f)
+        first = self.manifest.next_row // self.manifest.shard_blocks
+        for name in ARRAYS:
+            cdir = self.root / "data" / name / "c"
+            if not cdir.is_dir():
+                continue
+            for entry in os.listdir(cdir):
+                if entry.isdigit() and int(entry) >= first:
+                    p = cdir / entry
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        _unlink(p)
+                    removed += 1
+        self._cleaned = True
+        return removed
+
+    # ---------------------------------------------------------------- gc
+    def gc(self, grace_s: float = 3600.0) -> GcReport:
+        """Reclaim blocks no state or document reaches (through parent pointers), except blocks
+        committed in the last `grace_s` seconds (a document being added commits its blocks before
+        the document itself: they are not garbage yet).
+
+        First a commit records the rows as freed (from then on no reader takes them as valid: a
+        read of a freed row raises), then each shard holding freed rows is rewritten without them
+        (temp file, fsync, rename: the live rows are in the old or the new file, never in neither)
+        or removed. A crash mid-way leaves bytes to reclaim, which the next gc finds.
+        """
+        if self.read_only:
+            raise StoreReadOnlyError(f"store {self.root} is open read-only")
+        with self.write_lock():
+            self.refresh()
+            if not self._cleaned:
+                self.clean_leftovers()
+            m = self.manifest
+            live = self.reachable() | m.committed_since(time.time() - grace_s)
+            dead = sorted(r for r in m.committed_rows() if r not in live)
+            if dead:
+                toks = int(self.block_meta(dead)["n_tokens"].sum())
+                rec = CommitRecord(commit=m.commit + 1, freed=dead, freed_tokens=toks, time=time.time())
+                write_record(self.root, rec)
+                self._apply(rec)
+            return self._reclaim(len(dead))
+
+    def reachable(self) -> set[int]:
+        """Rows reachable from a state or a document, parents included."""
+        m = self.manifest
+        todo = [s.last_row for s in m.states.values()] + [r for d in m.docs.values() for r in d.rows]
+        live: set[int] = set()
+        while todo:
+            fresh = [r for r in set(todo) if r not in live and r >= 0]
+            live.update(fresh)
+            todo = [int(p) for p in self.block_meta(fresh)["parent"]] if fresh else []
+        return live
+
+    def _reclaim(self, blocks_freed: int) -> GcReport:
+        m = self.manifest
+        S = m.shard_blocks
+        if self._layout is None:
+            raise StoreError(f"store {self.root}: its kv array does not use kvmemory's shard layout; cannot gc")
+        freed, removed, rewritten = 0, 0, 0
+        for shard in sorted({r // S for r in m.freed}):
+            rows = range(shard * S, (shard + 1) * S)
+            keep = [r - shard * S for r in rows if m.is_committed(r)]
+            kv_file = self._files_of(shard, shard)[0]
+            if not kv_file.exists():
+                continue
+            if not keep:
+                for f in self._files_of(shard, shard):
+                    if f.exists():
+                        freed += f.stat().st_size
+                        removed += _unlink(f)
+                continue
+            got = shards.rewrite_shard(kv_file, set(keep), S)
+            if got:
+                freed += got
+                rewritten += 1
+        return GcReport(blocks_freed, freed, removed, rewritten)
 
     # ---------------------------------------------------------------- sizes
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in (self.root / "data").rglob("*") if p.is_file())
+        """Bytes of the store's committed files (temp files of interrupted writes not counted)."""
+        total = 0
+        for dirpath, _, names in os.walk(self.root):
+            for f in names:
+                if f.endswith(".partial") or f.endswith(TEMP_SUFFIX):
+                    continue
+                try:
+                    total += os.stat(os.path.join(dirpath, f)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+
+def _create_arrays(root: Path, m: Manifest) -> None:
+    g = zarr.open_group(store=LocalStore(root / "data"), mode="w", zarr_format=3)
+    C, S = m.block_tokens, m.shard_blocks
+    kv_shape = (m.model["layers"], 2, m.model["kv_heads"], C, m.model["head_dim"])
+    codecs = None
+    if m.codec == "zstd":
+        codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")]
+    g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=STORAGE_DTYPE[m.kv_dtype],
+                   chunks=(1, *kv_shape), shards=(S, *kv_shape), compressors=codecs, fill_value=0)
+    meta_codec = [zarr.codecs.ZstdCodec(level=1)]      # the fill of a partly used chunk costs nothing
+    for name, shape, dtype, fill in (
+        ("tokens", (C,), "int32", -1), ("positions", (C,), "int32", -1),
+        ("parent", (), "int64", -1), ("n_tokens", (), "int32", 0),
+        ("block_id", (hashing.ID_BYTES,), "uint8", 0), ("digest", (hashing.ID_BYTES,), "uint8", 0),
+    ):
+        g.create_array(name, shape=(ROW_CAPACITY, *shape), dtype=dtype, chunks=(S, *shape),
+                       compressors=meta_codec, fill_value=fill)
+    for dirpath, _, files in os.walk(root / "data"):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        fsync_dir(Path(dirpath))
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_files(files: list[Path], top: Path) -> None:
+    """fsync exactly these files (those that exist: zarr may skip none, but be exact) and every
+    directory between them and `top`, deepest first, so their names are durable too."""
+    dirs: set[Path] = set()
+    for f in files:
+        if f.exists():
+            _fsync_path(f)
+        d = f.parent
+        while d != top and top in d.parents:
+            dirs.add(d)
+            d = d.parent
+    for d in sorted(dirs, key=lambda p: -len(p.parts)):
+        if d.exists():
+            fsync_dir(d)
+
+
+def _unlink(p: Path) -> int:
+    try:
+        os.unlink(p)
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+def _trace(what: str) -> None:
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{what} {time.time():.6f}\n")
 
 
 def block_digest(kv_block: np.ndarray, n: int) -> bytes:
@@ -319,7 +673,7 @@ def block_digest(kv_block: np.ndarray, n: int) -> bytes:
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    runs = []
+    runs: list[tuple[int, int]] = []
     for r in rows:
         if runs and runs[-1][1] == r:
             runs[-1] = (runs[-1][0], r + 1)
@@ -328,19 +682,4 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _fsync_tree(path: Path, since: float | None = None) -> None:
-    """fsync data files (and their directories) so the manifest never commits unsynced data."""
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            if since is not None and os.stat(p).st_mtime < since:
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-__all__ = ["BlockStore", "NewBlock", "StateEntry", "block_digest"]
+__all__ = ["BlockStore", "Change", "GcReport", "NewBlock", "StateEntry", "block_digest"]

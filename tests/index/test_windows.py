@@ -76,3 +76,18 @@ def test_embedder_refuses_to_truncate_and_is_reproducible():
     v1 = e.embed([text])[0]
     v2 = e.embed([text + " zebra giraffe elephant " * 30])[0]
     assert not np.allclose(v1, v2)
+
+
+def test_a_word_split_by_the_block_boundary_is_whole_in_the_next_blocks_first_window():
+    import re
+    vocab: dict[str, int] = {}
+
+    def pieces(text):                      # words as pieces: "xkz" + "341" joined is the word "xkz341"
+        return [vocab.setdefault(w, len(vocab)) for w in re.findall(r"\w+", text)]
+    first = "crate abc123 is on shelf 4. crate xkz"
+    second = "341 is on shelf 9. " + " ".join(f"w{i}" for i in range(200))
+    (w1,), w2 = win.block_windows(pieces, [first], [None]), win.block_windows(pieces, [second], [first])[0]
+    whole = vocab["xkz341"]
+    assert whole in w2[0] and "xkz" in vocab and all(whole not in w for w in w1)
+    assert vocab["w199"] in w2[-1]                    # nothing dropped at the end
+    assert sum(len(w) for w in w2) >= len(pieces(second))
