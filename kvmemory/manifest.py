@@ -125,6 +125,7 @@ class Manifest:
     stored_tokens: int = 0
     format: str = FORMAT
     version: int = FORMAT_VERSION
+    _n_blocks: int | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ rows
     @property
@@ -141,7 +142,9 @@ class Manifest:
 
     @property
     def n_blocks(self) -> int:
-        return sum(len(r[1]) // ID_HEX for r in self.ranges) - len(self.freed)
+        if self._n_blocks is None:
+            self._n_blocks = sum(len(r[1]) // ID_HEX for r in self.ranges) - len(self.freed)
+        return self._n_blocks
 
     def is_committed(self, row: int) -> bool:
         i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
@@ -184,23 +187,29 @@ class Manifest:
         where = where or f"commit record {rec.commit}"
         if rec.commit != self.commit + 1:
             raise StoreCorruptError(f"{where}: expected commit {self.commit + 1}, found {rec.commit}")
+        n_before = self.n_blocks
         if rec.n_new:
             if rec.start < self.rows_end or rec.start % self.shard_blocks:
                 raise StoreCorruptError(f"{where}: blocks start at row {rec.start}, before the end of the "
                                         f"last commit ({self.rows_end}) or off a shard boundary")
             self.ranges.append((rec.start, rec.ids, rec.time))
         self.stored_tokens += rec.tokens - rec.freed_tokens
+        self._n_blocks = n_before + rec.n_new - len(set(rec.freed) - self.freed)
         self.freed.update(rec.freed)
         self.states.update(rec.states)
         self.docs.update(rec.docs)
         for d in rec.removed_docs:
             self.docs.pop(d, None)
         self.commit = rec.commit
-        self.check(where)
+        # what this record names (not the whole view: a commit costs the same in a big store);
+        # a gc record frees only rows nothing names, checked by the writer
+        self.check(where, rec.states.values(), rec.docs.values())
 
-    def check(self, where: str) -> None:
-        bad = [s for s in self.states.values() if not self.is_committed(s.last_row)]
-        bad += [d for d in self.docs.values() if any(not self.is_committed(r) for r in d.rows)]
+    def check(self, where: str, states=None, docs=None) -> None:
+        states = self.states.values() if states is None else states
+        docs = self.docs.values() if docs is None else docs
+        bad = [s for s in states if not self.is_committed(s.last_row)]
+        bad += [d for d in docs if any(not self.is_committed(r) for r in d.rows)]
         if bad:
             raise StoreCorruptError(f"{where} is inconsistent: a state or document points at a row that is not "
                                     "committed")
@@ -220,6 +229,7 @@ class Manifest:
             self.ranges = [(int(s), str(ids), float(t)) for s, ids, t in raw["ranges"]]
             self.freed = {int(r) for r in raw["freed"]}
             self.stored_tokens = int(raw["stored_tokens"])
+            self._n_blocks = None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
         self.check(where)
@@ -270,17 +280,18 @@ def read_manifest(root: Path) -> Manifest:
     return m
 
 
-def read_new_records(root: Path, m: Manifest) -> bool:
-    """Apply the records after m.commit (in place). One stat when nothing changed. True if any."""
-    changed = False
+def read_new_records(root: Path, m: Manifest) -> list[CommitRecord]:
+    """Apply the records after m.commit (in place) and return them. One stat when nothing changed."""
+    applied = []
     while True:
         p = record_path(root, m.commit + 1)
         try:
             text = _read_text(p)
         except FileNotFoundError:
-            return changed
-        m.apply(CommitRecord.from_json(text, str(p)), str(p))
-        changed = True
+            return applied
+        rec = CommitRecord.from_json(text, str(p))
+        m.apply(rec, str(p))
+        applied.append(rec)
 
 
 def write_new_file(path: Path, data: bytes) -> None:

@@ -486,10 +486,10 @@ class Memory:
                 stored = self._read_chain([row])
             except StoreError:            # reported by E1 above; descendants continue from the recomputed KV
                 stored = None
-            if stored is not None and row not in e1_bad and not torch.equal(fresh, stored):
+            if stored is not None and row not in e1_bad and not torch.equal(to_host(fresh), stored):
                 bad.append((row, f"block {name} (row {row}): recomputed KV differs from the stored bytes"))
                 kvops.truncate(cache, before)
-                kvops.extend(cache, stored)   # descendants are checked against the stored truth
+                kvops.extend(cache, to_model(stored, self.model))   # descendants: against the stored truth
             if progress is not None:
                 progress.update(1)
             stack.extend((c, before + k) for c in reversed(children.get(row, [])))

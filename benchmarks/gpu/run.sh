@@ -20,7 +20,7 @@ make -s cuda-check CUDA_BUILD=/tmp/kvmemory-cuda-build 2>&1 | tee "$OUT/cuda-che
 from kvmemory.ops import cuda_ext
 print("kernels loaded:", cuda_ext.load() is not None, cuda_ext.why_not())
 PY
-"$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops 2>&1 | tee "$OUT/gpu-tests.txt"
+"$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops tests/test_device_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
 for dt in float32 bfloat16; do
   "$PY" benchmarks/gpu/bench_kernels.py --out "$OUT" --dtype "$dt" 2>&1 | tee "$OUT/bench-kernels-$dt.txt"
 done

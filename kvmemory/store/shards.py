@@ -12,6 +12,7 @@ is digest-checked by the caller, so a wrong offset can only raise, never return 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,25 @@ def rewrite_shard(path: Path, keep: set[int], per_shard: int) -> int:
     return size - len(body)
 
 
+HUGE_MIN_BYTES = 32 << 20
+
+
+def host_buffer(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array. Large ones are anonymous memory advised for transparent
+    huge pages: a fresh buffer is written once by the reads, and 2 MiB pages fault 512x less often
+    than 4 KiB ones (a cold restore of a few hundred MB spends a good part of its time in faults)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 def read_blocks(array_dir: Path, rows: list[int], out: np.ndarray, blocks_per_shard: int) -> None:
     """Fill out[i] with the raw chunk of block rows[i]. out: [k, ...block shape], C-contiguous."""
     by_shard: dict[int, list[int]] = {}
@@ -154,8 +174,18 @@ def read_state(array_dir: Path, rows: list[int], n_tokens: list[int], digests: l
     once, from the page cache to their final place. out: [L, 2, H, T, D] C-contiguous.
     """
     starts = np.concatenate([[0], np.cumsum(n_tokens)]).astype(int)
-    jobs = [_READERS.submit(_scatter_block, array_dir, r, int(starts[i]), int(n_tokens[i]), digests[i], names[i], out,
-                            blocks_per_shard) for i, r in enumerate(rows)]
+    # one job per shard file, its blocks in file order: each file is then read sequentially
+    # (the kernel's readahead follows it), the files in parallel. One job per block interleaves
+    # several threads inside one file, which reads a cold store ~30% slower.
+    by_shard: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_shard.setdefault(r // blocks_per_shard, []).append(i)
+
+    def shard_job(idx: list[int]) -> None:
+        for i in sorted(idx, key=lambda i: rows[i]):
+            _scatter_block(array_dir, rows[i], int(starts[i]), int(n_tokens[i]), digests[i], names[i], out,
+                           blocks_per_shard)
+    jobs = [_READERS.submit(shard_job, idx) for idx in by_shard.values()]
     for j in jobs:
         j.result()
 

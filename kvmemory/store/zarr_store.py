@@ -178,26 +178,26 @@ class BlockStore:
         """Pick up commits made by other processes since this store was opened (one stat if none)."""
         with self._mutex:
             before = self.manifest.commit
-            if not read_new_records(self.root, self.manifest):
-                return
-            self._after_records(before)
+            recs = read_new_records(self.root, self.manifest)
+            if recs:
+                self._after_records(before, recs)
 
-    def _after_records(self, before: int) -> None:
+    def _after_records(self, before: int, records: list[CommitRecord] | None = None) -> None:
+        """Bring the id map up to date: with the records applied (what changed), else by a rescan."""
         if self._ids is None:
             return
-        freed = self.manifest.freed
-        for bid, row in list(self._ids.items()):
-            if row in freed:
-                del self._ids[bid]
-        # new ranges: rows at or past the first row not yet in the map
-        known = max(self._ids.values(), default=-1)
-        for start, ids, _ in self.manifest.ranges:
-            if start + len(ids) // 32 <= known:
-                continue
-            raw = bytes.fromhex(ids)
-            for i in range(len(ids) // 32):
-                if start + i > known and start + i not in freed:
-                    self._ids.setdefault(raw[i * 16:(i + 1) * 16], start + i)
+        if records is None:
+            self._ids = None
+            return
+        for rec in records:
+            if rec.n_new:
+                raw = bytes.fromhex(rec.ids)
+                for i in range(rec.n_new):
+                    self._ids.setdefault(raw[i * 16:(i + 1) * 16], rec.start + i)
+            for r in rec.freed:
+                bid = self.manifest.id_of(r)
+                if self._ids.get(bid) == r:
+                    del self._ids[bid]
 
     def chain(self, last_row: int) -> list[int]:
         """Rows from position 0 to last_row, following parent pointers."""
@@ -304,7 +304,7 @@ class BlockStore:
                 kv, _ = self.read_kv(rows)
                 np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3, out=res)
             return res
-        res = np.empty(want, dtype=self._arr["kv"].dtype) if out is None else out
+        res = shards.host_buffer(want, self._arr["kv"].dtype) if out is None else out
         shards.read_state(self.root / "data" / "kv", rows, n, [d.tobytes() for d in meta["digest"]],
                           [b.tobytes().hex() for b in meta["block_id"]], res, self._direct.per_shard)
         return res
@@ -427,7 +427,7 @@ class BlockStore:
     def _apply(self, rec: CommitRecord) -> None:
         before = self.manifest.commit
         self.manifest.apply(rec)
-        self._after_records(before)
+        self._after_records(before, [rec])
 
     def plan_chain(self, chain: Sequence[bytes], tokens: Sequence[int], start: int, parent_row: int,
                    kv_of: Callable[[int], np.ndarray]) -> tuple[list[NewBlock], list[int]]:
