@@ -16,7 +16,7 @@ random commit of the reference run, at a uniform time within it). After every ki
 
     python benchmarks/bench_crash.py --trials 200          # fresh seed; --seed to repeat
 
-Writes benchmarks/results/crash.json and prints the table.
+Writes benchmarks/results/crash-DATE.json and prints the table.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one (printed)")
     ap.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "crash.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"crash-{time.strftime('%Y-%m-%d')}.json")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"seed {seed}", file=sys.stderr)

@@ -98,7 +98,8 @@ def sources_of(window: WindowPlan) -> list[tuple[str, int, int, float]]:
 
 @torch.inference_mode()
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
-        recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE) -> Answer:
+        recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE,
+        on_token=None) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
@@ -155,7 +156,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
-    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids)
+    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=_text_stream(mem, on_token))
     decode_s = time.perf_counter() - t
     exact = exact_tokens - window.prelude_tokens
     stats = {
@@ -177,6 +178,22 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     }
     return Answer(mem.tokenizer.decode(new, skip_special_tokens=True).strip(), sources_of(window), stats,
                   window, to_host(logits).float())
+
+
+def _text_stream(mem, on_text):
+    """on_token for greedy(): calls on_text(delta) with the text the new tokens add (whole characters)."""
+    if on_text is None:
+        return None
+    sent = [""]
+
+    def on_token(ids: list[int]) -> None:
+        text = mem.tokenizer.decode(ids, skip_special_tokens=True).strip()   # as the answer is
+        if text.endswith("\ufffd"):                  # an unfinished UTF-8 character: wait for the rest
+            return
+        if text.startswith(sent[0]) and len(text) > len(sent[0]):
+            on_text(text[len(sent[0]):])
+            sent[0] = text
+    return on_token
 
 
 def window_tokens(store, window: WindowPlan) -> list[int]:

@@ -118,6 +118,22 @@ def _parser() -> argparse.ArgumentParser:
                     help="only the indexes this selector needs")
     model_arg(sp)
 
+    sp = add("serve", "serve the store over HTTP: document QA and OpenAI-compatible chat",
+             "Serve STORE (created if missing) with FastAPI/uvicorn: POST /v1/documents (deposit jobs), "
+             "GET /v1/jobs/ID, GET/DELETE /v1/documents, POST /v1/ask (SSE with stream), GET /v1/models, "
+             "POST /v1/chat/completions (OpenAI shapes; every conversation persists as exact KV states, a "
+             "request extending one restores its stored prefix), GET/DELETE /v1/sessions/ID, GET /health. "
+             "Anything but loopback needs an API key.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback)")
+    sp.add_argument("--port", type=int, default=8000, help="default 8000")
+    sp.add_argument("--api-key-file", metavar="FILE", default=None,
+                    help="file holding the bearer token clients must send (or set KVMEMORY_API_KEY)")
+    sp.add_argument("--queue", type=_positive_int, default=32, metavar="N",
+                    help="requests that may wait for the model; more get 429 (default 32)")
+    sp.add_argument("--max-body-mb", type=_positive_int, default=16, metavar="MB", help="request size limit (413)")
+    model_arg(sp)
+
     sp = add("gc", "reclaim the disk space of blocks no state or document uses",
              "After rm, the removed document's blocks stay on disk until gc: it records them as freed (from then "
              "on no reader takes them as valid), then removes or rewrites the shard files that hold them. Blocks "
@@ -305,6 +321,22 @@ def cmd_reindex(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kvmemory.server import serve
+
+    key = os.environ.get("KVMEMORY_API_KEY") or None
+    if args.api_key_file:
+        try:
+            key = open(args.api_key_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise KVMemoryError(f"cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise KVMemoryError(f"{args.api_key_file} is empty")
+    serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
+          max_body_bytes=args.max_body_mb << 20)
+    return 0
+
+
 def cmd_gc(args) -> int:
     from kvmemory.store import BlockStore
 
@@ -317,7 +349,7 @@ def cmd_gc(args) -> int:
     return 0
 
 
-COMMANDS = {"gc": cmd_gc, "save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "add": cmd_add,
+COMMANDS = {"serve": cmd_serve, "gc": cmd_gc, "save": cmd_save, "generate": cmd_generate, "info": cmd_info, "verify": cmd_verify, "add": cmd_add,
             "ask": cmd_ask, "docs": cmd_docs, "rm": cmd_rm, "reindex": cmd_reindex, "demo": cmd_demo}
 
 

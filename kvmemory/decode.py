@@ -8,15 +8,17 @@ from kvmemory.device import ids_tensor
 
 
 @torch.inference_mode()
-def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int], on_token=None) -> list[int]:
     """Greedy tokens after `logits` (of the last token already in `cache`), extending cache in place.
 
     Stops at an eos id (not included) or after max_new_tokens, with no forward pass for a token
-    it would not use."""
+    it would not use. on_token(new_ids) is called after each token (for streaming)."""
     new: list[int] = []
     nxt = int(logits.argmax())
     while nxt not in eos and len(new) < max_new_tokens:
         new.append(nxt)
+        if on_token is not None:
+            on_token(new)
         if len(new) == max_new_tokens:
             break
         out = model(input_ids=ids_tensor([nxt], model), past_key_values=cache, use_cache=True)

@@ -441,6 +441,11 @@ def read_files(paths) -> tuple[list[Path], list[str]]:
     return paths, texts
 
 
+def check_doc_id(doc_id: str) -> None:
+    """InputError unless doc_id is a valid document id."""
+    _check_doc_id(doc_id)
+
+
 def _check_doc_id(doc_id: str) -> None:
     """A document id is printable text: no control characters (a terminal escape, a tab, a newline
     would corrupt `kvmemory docs` output and logs), at most 200 characters."""

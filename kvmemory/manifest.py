@@ -75,6 +75,7 @@ class CommitRecord:
     states: dict[str, StateEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
     removed_docs: list[str] = field(default_factory=list)
+    removed_states: list[str] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
     freed_tokens: int = 0
     time: float = 0.0
@@ -200,6 +201,8 @@ class Manifest:
         self.docs.update(rec.docs)
         for d in rec.removed_docs:
             self.docs.pop(d, None)
+        for s in rec.removed_states:
+            self.states.pop(s, None)
         self.commit = rec.commit
         # what this record names (not the whole view: a commit costs the same in a big store);
         # a gc record frees only rows nothing names, checked by the writer

@@ -55,6 +55,7 @@ class State:
         self.label = label
         self._config = config
         self._device = torch.device(device)
+        self.reused_tokens = 0          # save(): how many of its tokens came from the store
 
     @property
     def n_tokens(self) -> int:
@@ -143,6 +144,11 @@ class Memory:
                                     self.runtime.gpu_cache_bytes, self.model.device)
         return self._pager
 
+    def exclusive(self):
+        """The Memory's lock (re-entrant): hold it to run several operations, or direct use of
+        self.model, with no other thread's operation in between."""
+        return self._lock
+
     def forget_blocks(self, rows) -> None:
         """Drop rows from the pager's caches (after their document was removed)."""
         if self._pager is not None:
@@ -176,8 +182,12 @@ class Memory:
 
         text: str or UTF-8 bytes. doc_id: defaults to a hash of the text's tokens. Returns DocInfo.
         Atomic: the document becomes visible only once complete; a re-run resumes an interrupted add.
+        progress: True for a tqdm bar on a terminal, or an object with a `total` attribute and
+        `update(n_tokens)` that the deposit drives.
         """
         self.require_store()
+        if not isinstance(progress, bool) and progress is not None:
+            return self.documents.add(text, doc_id, source=source, progress=progress)
         bar = _bar(progress, desc=f"add {doc_id or source or 'document'}")
         try:
             return self.documents.add(text, doc_id, source=source, progress=bar)
@@ -197,7 +207,8 @@ class Memory:
 
     @_locked
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
-            recompute: float | None = None, expand: bool = True, min_relevance: float | None = None):
+            recompute: float | None = None, expand: bool = True, min_relevance: float | None = None,
+            on_token=None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
@@ -210,12 +221,14 @@ class Memory:
         below that fraction of the best block's: fewer distractors for a small model. With the model on
         CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
         attention is switched to kvmemory's window_attention op (transformers' attention registry).
+        on_token(text_delta), if given, receives the answer as it is decoded (streaming).
         """
         from kvmemory import ask as _ask
         return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
                         selector=selector, max_new_tokens=max_new_tokens,
                         recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
-                        min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance)
+                        min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance,
+                        on_token=on_token)
 
     @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text") -> list[dict]:
@@ -327,6 +340,7 @@ class Memory:
             have += 1
         prefix = self._read_chain([store.row_of(b) for b in chain[:have]])
         computed: dict[int, torch.Tensor] = {}
+        reused = min(have * C, len(ids))
         if have < len(chain):
             cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
             for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
@@ -345,7 +359,9 @@ class Memory:
         store.commit(build)
         parts = [prefix] + [computed[i] for i in sorted(computed)]
         kv = torch.cat(parts, dim=3) if len(parts) > 1 else prefix
-        return State(state_id, ids, kv, self.model.config, label, self.model.device)
+        st = State(state_id, ids, kv, self.model.config, label, self.model.device)
+        st.reused_tokens = reused          # tokens read back from the store instead of computed
+        return st
 
     def _read_chain(self, rows: list[int]) -> torch.Tensor:
         """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""
@@ -387,6 +403,20 @@ class Memory:
         if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
             raise StoreCorruptError(f"store {self.path}: state {sid}'s block ids do not match its tokens")
         return State(sid, ids, self._read_chain(rows), self.model.config, entry.label, self.model.device)
+
+    @_locked
+    def forget_states(self, state_ids) -> int:
+        """Remove states from the store's list (their blocks stay until gc, and are kept while another
+        state or a document uses them). Unknown ids are skipped. Returns how many were removed."""
+        from kvmemory.store.zarr_store import Change
+        ids = [self.resolve(s) for s in state_ids if isinstance(s, str) and s in self.require_store().manifest.states]
+        if not ids:
+            return 0
+
+        def build(s):
+            return Change([], {}, {}, (), tuple(x for x in ids if x in s.manifest.states))
+        self.require_store().commit(build)
+        return len(ids)
 
     @_locked
     def states(self) -> list[StateInfo]:

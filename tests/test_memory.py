@@ -232,3 +232,15 @@ def test_state_cache_shares_the_restored_bytes_and_never_writes_them(mem, rng):
         b = mem.model(input_ids=suffix, past_key_values=copied).logits
     assert torch.equal(a, b) and torch.equal(st.kv, before)
     assert cache.get_seq_length() == 309
+
+
+def test_forget_states_then_gc_frees_their_blocks(mem, rng):
+    keep = mem.save([rng.randrange(49152) for _ in range(300)])
+    drop = mem.save([rng.randrange(49152) for _ in range(600)])
+    assert mem.forget_states([drop.id, "0" * 32]) == 1                 # unknown ids are skipped
+    assert {s.id for s in mem.states()} == {keep.id}
+    report = mem.gc(grace_s=0)
+    assert report.blocks_freed == 3 and report.bytes_freed > 0
+    assert torch.equal(mem.load(keep.id).kv, keep.kv) and mem.verify() == []
+    with pytest.raises(StateNotFoundError):
+        mem.load(drop.id)

@@ -75,6 +75,7 @@ class Change:
     states: dict[str, StateEntry]
     docs: dict[str, DocEntry]
     removed_docs: tuple[str, ...] = ()
+    removed_states: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -384,14 +385,15 @@ class BlockStore:
                 if not isinstance(ch, Change):
                     ch = Change(ch[0], ch[1], *(ch[2:4] if len(ch) > 2 else ({}, ())))
                 m = self.manifest
-                if not ch.blocks and not ch.states and not ch.docs and not ch.removed_docs:
+                if not ch.blocks and not ch.states and not ch.docs and not ch.removed_docs and not ch.removed_states:
                     return m
                 start = m.next_row
                 self._check_refs(ch, start)
                 rec = CommitRecord(commit=m.commit + 1, start=start if ch.blocks else 0,
                                    ids="".join(b.block_id.hex() for b in ch.blocks),
                                    tokens=sum(len(b.tokens) for b in ch.blocks), states=dict(ch.states),
-                                   docs=dict(ch.docs), removed_docs=list(ch.removed_docs), time=time.time())
+                                   docs=dict(ch.docs), removed_docs=list(ch.removed_docs),
+                                   removed_states=list(ch.removed_states), time=time.time())
                 files: list[Path] = []
                 try:
                     if ch.blocks:

@@ -1,0 +1,312 @@
+"""`kvmemory serve` against a real uvicorn on 127.0.0.1 (ephemeral port), driven by the official
+`openai` client (strict response models) and httpx. Tiny random-weight model for the plumbing; the
+restart-equality test uses the real default model in a real `kvmemory serve` process."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import kvmemory  # noqa: E402
+
+
+def _start(app):
+    import uvicorn
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    return srv, t, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def served(tmp_path, tiny):
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny, segment_blocks=1)
+    app = create_app(mem, queue_size=4, max_body_bytes=1 << 20)
+    srv, t, url = _start(app)
+    yield url, mem, app
+    srv.should_exit = True
+    t.join(timeout=10)
+    mem.close()
+
+
+def words(rng, n, tag=""):
+    vocab = ["river", "lantern", "copper", "meadow", "falcon", "harbor", "quartz", "willow", "ember", "glacier"]
+    return f"{tag} " + " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def test_openai_client_chat_stream_and_cached_prefix(served, rng):
+    url, mem, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    assert model == mem.model_name
+    history = [{"role": "system", "content": words(rng, 300, "You are terse.")},
+               {"role": "user", "content": "Say something about rivers."}]
+    a = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=12,
+                                       prompt_cache_key="conv-1")
+    assert a.object == "chat.completion" and a.choices[0].message.role == "assistant"
+    assert a.usage.prompt_tokens > 300 and a.usage.completion_tokens >= 1
+    assert a.choices[0].finish_reason in ("stop", "length")
+    # the same prompt again: its stored prefix is restored, the greedy reply is the same
+    b = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=12)
+    assert b.usage.prompt_tokens_details.cached_tokens >= 256 and b.choices[0].message.content == \
+        a.choices[0].message.content
+    # streamed: same text, role first, finish last, usage in a last chunk without choices
+    chunks = list(client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == a.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    # a turn that extends the conversation restores at least the shared prefix
+    history += [{"role": "assistant", "content": a.choices[0].message.content},
+                {"role": "user", "content": "And about lanterns?"}]
+    c = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=4,
+                                       prompt_cache_key="conv-1")
+    assert c.usage.prompt_tokens_details.cached_tokens >= 256
+    s = httpx.get(url + "/v1/sessions/conv-1").json()
+    assert s["turns"] == 2 and all(x in {st.id for st in mem.states()} for x in s["states"])
+    r = httpx.delete(url + "/v1/sessions/conv-1")
+    assert r.status_code == 200 and not set(s["states"]) & {st.id for st in mem.states()}
+    assert httpx.get(url + "/v1/sessions/conv-1").status_code == 404
+
+
+def test_sampling_parameters_are_honoured_or_refused(served, rng):
+    url, mem, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": words(rng, 20)}]
+    kw = dict(model=mem.model_name, messages=msgs, max_tokens=6)
+    x = client.chat.completions.create(temperature=1.0, top_p=0.9, seed=7, **kw).choices[0].message.content
+    y = client.chat.completions.create(temperature=1.0, top_p=0.9, seed=7, **kw).choices[0].message.content
+    assert x == y                                                    # seeded sampling is reproducible
+    one = client.chat.completions.create(max_tokens=1, model=mem.model_name, messages=msgs, temperature=0)
+    assert one.usage.completion_tokens <= 1
+    full = client.chat.completions.create(temperature=0, **{**kw, "max_tokens": 12}).choices[0].message.content
+    if len(full) > 3:
+        stop = full[2:4]
+        cut = client.chat.completions.create(temperature=0, stop=[stop], **{**kw, "max_tokens": 12})
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
+    for bad, param in (({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                       ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                       ({"logit_bias": {"1": 2}}, "logit_bias"), ({"frobnicate": 1}, "frobnicate"),
+                       ({"stop": ["a", "b", "c", "d", "e"]}, "stop")):
+        r = httpx.post(url + "/v1/chat/completions", json={**kw, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_errors_are_openai_shaped_everywhere(served):
+    url, mem, _ = served
+
+    def shaped(r, status):
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert set(e) == {"message", "type", "param", "code"} and e["message"]
+        return e
+    shaped(httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+           400)
+    shaped(httpx.get(url + "/v1/nowhere"), 404)
+    shaped(httpx.get(url + "/v1/chat/completions"), 405)
+    assert shaped(httpx.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [
+        {"role": "user", "content": "hi"}]}), 404)["code"] == "model_not_found"
+    shaped(httpx.post(url + "/v1/chat/completions", json={"model": mem.model_name, "messages": []}), 400)
+    shaped(httpx.post(url + "/v1/ask", content=b"x" * (2 << 20)), 413)
+    shaped(httpx.get(url + "/v1/jobs/nope"), 404)
+    shaped(httpx.delete(url + "/v1/documents/nope"), 404)
+    assert shaped(httpx.post(url + "/v1/ask", json={"question": "anything?"}), 409)["code"] == "no_documents"
+    long = [{"role": "user", "content": "word " * 9000}]
+    assert shaped(httpx.post(url + "/v1/chat/completions", json={"model": mem.model_name, "messages": long}),
+                  400)["code"] == "context_length_exceeded"
+
+
+def test_documents_jobs_ask_and_stream(served, rng):
+    url, mem, _ = served
+    text = words(rng, 700, "The vault code is 4417.") + " " + words(rng, 300)
+    r = httpx.post(url + "/v1/documents", json={"text": text, "doc_id": "vault"})
+    assert r.status_code == 202
+    job = r.json()["job_id"]
+    up = httpx.post(url + "/v1/documents", files={"file": ("notes.txt", words(rng, 200, "Notes.").encode())})
+    assert up.status_code == 202 and up.json()["doc_id"] == "notes.txt"
+    assert httpx.post(url + "/v1/documents", json={"text": "x", "doc_id": "vault"}).status_code == 409
+    assert httpx.post(url + "/v1/documents", json={"text": "x", "doc_id": "bad\tid"}).status_code == 400
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        j = httpx.get(url + f"/v1/jobs/{job}").json()
+        if j["status"] in ("done", "failed"):
+            break
+        time.sleep(0.2)
+    assert j["status"] == "done" and j["progress"]["tokens_done"] == j["progress"]["tokens_total"] > 700
+    while httpx.get(url + f"/v1/jobs/{up.json()['job_id']}").json()["status"] != "done":
+        time.sleep(0.2)
+    assert {d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]} == {"vault", "notes.txt"}
+    a = httpx.post(url + "/v1/ask", json={"question": "What is the vault code?", "max_new_tokens": 4}, timeout=60)
+    body = a.json()
+    assert a.status_code == 200 and body["sources"][0]["doc_id"] == "vault" and body["sources"][0]["text"]
+    assert body["stats"]["tokens_restored"] > 0
+    events = []
+    with httpx.stream("POST", url + "/v1/ask", json={"question": "What is the vault code?", "max_new_tokens": 4,
+                                                      "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["type"] == "final" and final["answer"] == body["answer"]
+    assert "".join(json.loads(e)["text"] for e in events[:-2]) == body["answer"]
+    assert httpx.delete(url + "/v1/documents/vault").json()["deleted"] is True
+    assert [d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]] == ["notes.txt"]
+
+
+def test_full_queue_answers_429_and_a_gone_client_frees_its_slot(tmp_path, tiny, rng):
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path / "q.kvm", model=tiny)
+    app = create_app(mem, queue_size=1)
+    srv, t, url = _start(app)
+    try:
+        body = {"model": mem.model_name, "messages": [{"role": "user", "content": words(rng, 50)}],
+                "max_tokens": 200, "temperature": 0}
+        statuses = []
+
+        def call():
+            statuses.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=120))
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        codes = sorted(r.status_code for r in statuses)
+        assert 200 in codes and 429 in codes, codes
+        busy = next(r for r in statuses if r.status_code == 429)
+        assert busy.headers["retry-after"] and busy.json()["error"]["type"] == "rate_limit_error"
+        # a streaming client that disconnects at once: its slot comes back
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            next(s.iter_lines())
+        deadline = time.time() + 30
+        while app.state.worker.pending and time.time() < deadline:
+            time.sleep(0.05)
+        assert app.state.worker.pending == 0
+        assert httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
+
+
+def test_api_key_and_loopback_rule(tmp_path, tiny):
+    from kvmemory.server import create_app, serve
+    from kvmemory.errors import InputError
+    mem = kvmemory.Memory(tmp_path / "k.kvm", model=tiny)
+    srv, t, url = _start(create_app(mem, api_key="s3cret"))
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
+    with pytest.raises(InputError, match="without an API key"):
+        serve(tmp_path / "k.kvm", host="0.0.0.0", port=1)
+
+
+def test_a_deposit_interrupted_by_a_restart_resumes(tmp_path, tiny, rng):
+    from kvmemory.server import Jobs, create_app
+    store = tmp_path / "r.kvm"
+    mem = kvmemory.Memory(store, model=tiny, segment_blocks=1)
+    jobs = Jobs(store / "serve")
+    job = jobs.create(words(rng, 600, "Resumed."), "resumed", "")
+    job["status"] = "running"                      # what a killed server leaves behind
+    jobs.flush()
+    srv, t, url = _start(create_app(mem))
+    try:
+        deadline = time.time() + 120
+        while httpx.get(url + f"/v1/jobs/{job['id']}").json()["status"] != "done" and time.time() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(url + f"/v1/jobs/{job['id']}").json()["status"] == "done"
+        assert [d.doc_id for d in mem.docs()] == ["resumed"]
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_server(store, port, model=None):
+    cmd = [sys.executable, "-m", "kvmemory.cli", "serve", str(store), "--port", str(port)]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if p.poll() is not None:
+            raise AssertionError(p.stderr.read().decode()[-2000:])
+    p.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.mark.real_model
+def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path, default_dir, rng):
+    """The real default model in a real `kvmemory serve`: turn 2 of a conversation, answered (a) by a
+    server that restores turn 1's stored state, (b) by a fresh server process after SIGKILL on the same
+    store, (c) by a server on an empty store that recomputes everything: the same greedy reply."""
+    sys_text = "You are a helpful assistant for a harbour office. " + words(rng, 260)
+    history = [{"role": "system", "content": sys_text}, {"role": "user", "content": "Who runs the harbour?"}]
+
+    def chat(port, msgs):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="kvmemory", messages=msgs, temperature=0, max_tokens=16,
+                                      prompt_cache_key="harbour")
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+    port = _free_port()
+    p = _spawn_server(tmp_path / "a.kvm", port)
+    try:
+        first, _ = chat(port, history)
+        turn2 = history + [{"role": "assistant", "content": first}, {"role": "user", "content": "And at night?"}]
+        live, cached_live = chat(port, turn2)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    port = _free_port()
+    p = _spawn_server(tmp_path / "a.kvm", port)
+    try:
+        restarted, cached_restart = chat(port, turn2)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    port = _free_port()
+    p = _spawn_server(tmp_path / "fresh.kvm", port)
+    try:
+        recomputed, cached_fresh = chat(port, turn2)
+    finally:
+        p.terminate()
+        p.wait()
+    print(f"\nrestart equality: cached tokens live {cached_live}, after SIGKILL {cached_restart}, fresh "
+          f"{cached_fresh}; replies equal: {live == restarted == recomputed}")
+    assert cached_live >= 256 and cached_restart >= cached_live and cached_fresh == 0
+    assert live == restarted == recomputed

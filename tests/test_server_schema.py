@@ -1,0 +1,51 @@
+"""Schemathesis against the live server's OpenAPI schema (bounded for CI): no 5xx, and every status
+the server answers is one its schema documents. KVMEMORY_SCHEMA_EXAMPLES raises the bound."""
+
+import os
+import threading
+import time
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+pytest.importorskip("fastapi")
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import kvmemory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def api_schema(tmp_path_factory, tiny):
+    import uvicorn
+
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path_factory.mktemp("schema") / "s.kvm", model=tiny)
+    srv = uvicorn.Server(uvicorn.Config(create_app(mem, queue_size=8), host="127.0.0.1", port=0,
+                                        log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    while not srv.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    yield schemathesis.openapi.from_url(url + "/openapi.json")
+    srv.should_exit = True
+    t.join(timeout=10)
+    mem.close()
+
+
+def test_no_server_error_and_only_documented_statuses(api_schema):
+    from hypothesis import given
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import status_code_conformance
+    examples = int(os.environ.get("KVMEMORY_SCHEMA_EXAMPLES", "12"))
+    ran = 0
+    for result in api_schema.get_all_operations():
+        op = result.ok()
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.call_and_validate(checks=[not_a_server_error, status_code_conformance], timeout=60)
+        check()
+        ran += 1
+    assert ran >= 10                                   # every route of the server was exercised
