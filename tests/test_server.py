@@ -310,3 +310,32 @@ def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path
           f"{cached_fresh}; replies equal: {live == restarted == recomputed}")
     assert cached_live >= 256 and cached_restart >= cached_live and cached_fresh == 0
     assert live == restarted == recomputed
+
+
+def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memory(served, rng):
+    url, mem, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    msgs = [{"role": "system", "content": "You are a ship's log keeper."},
+            {"role": "user", "content": "Note this: the vault code is 4417. " + words(rng, 400)},
+            {"role": "assistant", "content": "Noted. " + words(rng, 100)}]
+    for i in range(18):                                  # ~9,000 tokens: past the 8,192-token window
+        msgs += [{"role": "user", "content": f"Entry {i}. " + words(rng, 400)},
+                 {"role": "assistant", "content": "Logged. " + words(rng, 50)}]
+    msgs.append({"role": "user", "content": "What is the vault code?"})
+    n = len(mem.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert n > mem.geometry.max_positions
+    body = {"model": mem.model_name, "messages": msgs, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"   # no session named
+    a = client.chat.completions.create(prompt_cache_key="long", **body)
+    assert a.usage.prompt_tokens < mem.geometry.max_positions
+    s = httpx.get(url + "/v1/sessions/long").json()
+    assert any("4417" in x["text"] for x in s["last_recall"]), s["last_recall"]
+    session_docs = [d.doc_id for d in mem.docs() if d.doc_id.startswith("session:long:")]
+    assert session_docs and all(not d["doc_id"].startswith("session:")
+                                for d in httpx.get(url + "/v1/documents").json()["data"])
+    again = client.chat.completions.create(prompt_cache_key="long", **body)   # nothing deposited twice
+    assert [d.doc_id for d in mem.docs() if d.doc_id.startswith("session:long:")] == session_docs
+    assert again.choices[0].message.content == a.choices[0].message.content
+    assert httpx.delete(url + "/v1/sessions/long").json()["documents"] == len(session_docs)
+    assert not [d for d in mem.docs() if d.doc_id.startswith("session:")]
