@@ -40,7 +40,7 @@ from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError,
                              StoreError, WindowExceededError)
 
 SERVE_DIR = "serve"
-SESSION_DOCS = "session:"          # doc ids of chat memory: session:<session id>:<hash of the message>
+SESSION_DOCS = "session:"          # doc ids of chat memory: session:<hash of session id>:<hash of the message>
 RECALL_BLOCKS = 3                  # blocks of older turns brought back per turn when over the window
 MAX_STOP = 4
 CHAT_KEYS = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens",
@@ -243,7 +243,7 @@ class Engine:
             raise ApiError(400, f"the latest message alone does not fit the model's window of {limit} tokens "
                                 f"with max_tokens {p['max_tokens']}", param="messages", code="context_length_exceeded")
         import xxhash
-        prefix = f"{SESSION_DOCS}{p['session']}:"
+        prefix = session_prefix(p["session"])
         have = self.mem.require_store().manifest.docs
         for m in rest[:k]:
             text = f"{m['role']}: {m['content']}"
@@ -770,7 +770,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         s = engine.sessions.forget(_check_id(session_id, "session_id"))
         if s is None:
             raise ApiError(404, f"no session {session_id!r}", param="session_id", code="not_found")
-        prefix = f"{SESSION_DOCS}{session_id}:"
+        prefix = session_prefix(session_id)
 
         def forget():
             mem.forget_states(s["states"])
@@ -782,6 +782,12 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         return {"id": session_id, "deleted": True, "states": len(s["states"]), "documents": n_docs}
 
     return app
+
+
+def session_prefix(session_id: str) -> str:
+    """Doc id prefix of a session's memory: its id hashed, so no session's prefix is another's."""
+    import xxhash
+    return f"{SESSION_DOCS}{xxhash.xxh3_64_hexdigest(session_id.encode())}:"
 
 
 def _from_kvmemory(e: KVMemoryError) -> ApiError:

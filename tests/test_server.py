@@ -313,6 +313,7 @@ def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path
 
 
 def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memory(served, rng):
+    from kvmemory.server import session_prefix
     url, mem, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     msgs = [{"role": "system", "content": "You are a ship's log keeper."},
@@ -331,11 +332,11 @@ def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memo
     assert a.usage.prompt_tokens < mem.geometry.max_positions
     s = httpx.get(url + "/v1/sessions/long").json()
     assert any("4417" in x["text"] for x in s["last_recall"]), s["last_recall"]
-    session_docs = [d.doc_id for d in mem.docs() if d.doc_id.startswith("session:long:")]
+    session_docs = [d.doc_id for d in mem.docs() if d.doc_id.startswith(session_prefix("long"))]
     assert session_docs and all(not d["doc_id"].startswith("session:")
                                 for d in httpx.get(url + "/v1/documents").json()["data"])
     again = client.chat.completions.create(prompt_cache_key="long", **body)   # nothing deposited twice
-    assert [d.doc_id for d in mem.docs() if d.doc_id.startswith("session:long:")] == session_docs
+    assert [d.doc_id for d in mem.docs() if d.doc_id.startswith(session_prefix("long"))] == session_docs
     assert again.choices[0].message.content == a.choices[0].message.content
     assert httpx.delete(url + "/v1/sessions/long").json()["documents"] == len(session_docs)
     assert not [d for d in mem.docs() if d.doc_id.startswith("session:")]
