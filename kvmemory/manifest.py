@@ -340,9 +340,13 @@ def write_snapshot(root: Path, m: Manifest) -> None:
     write_new_file(snapshot_path(root, m.commit), m.snapshot_json().encode("utf-8"))
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so the names in it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path

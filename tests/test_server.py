@@ -283,29 +283,26 @@ def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path
         r = c.chat.completions.create(model="kvmemory", messages=msgs, temperature=0, max_tokens=16,
                                       prompt_cache_key="harbour")
         return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
-    port = _free_port()
-    p = _spawn_server(tmp_path / "a.kvm", port)
-    try:
-        first, _ = chat(port, history)
-        turn2 = history + [{"role": "assistant", "content": first}, {"role": "user", "content": "And at night?"}]
-        live, cached_live = chat(port, turn2)
-    finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-    port = _free_port()
-    p = _spawn_server(tmp_path / "a.kvm", port)
-    try:
-        restarted, cached_restart = chat(port, turn2)
-    finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-    port = _free_port()
-    p = _spawn_server(tmp_path / "fresh.kvm", port)
-    try:
-        recomputed, cached_fresh = chat(port, turn2)
-    finally:
-        p.terminate()
-        p.wait()
+    def one_server(store, *turns, kill=True):
+        """Start a `kvmemory serve` on store, send each turn (a function of the replies so far), stop it."""
+        port = _free_port()
+        p = _spawn_server(store, port)
+        out = []
+        try:
+            for turn in turns:
+                out.append(chat(port, turn(out)))
+        finally:
+            p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            p.wait()
+        return out
+
+    def turn2_of(first):
+        return history + [{"role": "assistant", "content": first}, {"role": "user", "content": "And at night?"}]
+    (first, _), (live, cached_live) = one_server(tmp_path / "a.kvm", lambda out: history,
+                                                 lambda out: turn2_of(out[0][0]))   # turn 1 restored, live
+    turn2 = turn2_of(first)
+    (restarted, cached_restart), = one_server(tmp_path / "a.kvm", lambda out: turn2)   # after the SIGKILL
+    (recomputed, cached_fresh), = one_server(tmp_path / "fresh.kvm", lambda out: turn2, kill=False)
     print(f"\nrestart equality: cached tokens live {cached_live}, after SIGKILL {cached_restart}, fresh "
           f"{cached_fresh}; replies equal: {live == restarted == recomputed}")
     assert cached_live >= 256 and cached_restart >= cached_live and cached_fresh == 0

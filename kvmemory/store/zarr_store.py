@@ -43,8 +43,8 @@ from zarr.storage import LocalStore
 from kvmemory import hashing
 from kvmemory.errors import StoreCorruptError, StoreError, StoreReadOnlyError
 from kvmemory.manifest import (LOG_DIR, MANIFEST_NAME, SNAPSHOT_EVERY, TEMP_SUFFIX, CommitRecord, DocEntry, Manifest,
-                               StateEntry, fsync_dir, read_manifest, read_new_records, write_header, write_record,
-                               write_snapshot)
+                               StateEntry, fsync_dir, fsync_path, read_manifest, read_new_records, write_header,
+                               write_record, write_snapshot)
 from kvmemory.store import shards
 from kvmemory.store.lock import writer_lock
 
@@ -625,16 +625,8 @@ def _create_arrays(root: Path, m: Manifest) -> None:
                        compressors=meta_codec, fill_value=fill)
     for dirpath, _, files in os.walk(root / "data"):
         for f in files:
-            _fsync_path(Path(dirpath) / f)
+            fsync_path(Path(dirpath) / f)
         fsync_dir(Path(dirpath))
-
-
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_files(files: list[Path], top: Path) -> None:
@@ -643,7 +635,7 @@ def _fsync_files(files: list[Path], top: Path) -> None:
     dirs: set[Path] = set()
     for f in files:
         if f.exists():
-            _fsync_path(f)
+            fsync_path(f)
         d = f.parent
         while d != top and top in d.parents:
             dirs.add(d)
