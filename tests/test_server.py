@@ -337,3 +337,42 @@ def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memo
     assert again.choices[0].message.content == a.choices[0].message.content
     assert httpx.delete(url + "/v1/sessions/long").json()["documents"] == len(session_docs)
     assert not [d for d in mem.docs() if d.doc_id.startswith("session:")]
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Serving"):text.index("## Command line")]
+    return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(lang)]
+
+
+def test_the_readme_examples_work_as_written(served, rng):
+    """The README's curl and openai examples, run against the server (only the port changes, and
+    max_tokens, to keep the test short)."""
+    import re
+    import shutil
+    url, mem, _ = served
+    port = url.rsplit(":", 1)[1]
+    if not shutil.which("curl"):
+        pytest.skip("curl is not installed")
+    (curl,) = _readme_blocks("bash")
+    commands = [re.sub(r"\s+#.*$", "", c.replace("\\\n", " "), flags=re.M).strip()
+                for c in re.split(r"\n(?=curl )", curl.strip())]
+    assert len(commands) == 3
+    run = [c.replace("localhost:8000", f"localhost:{port}") for c in commands]
+    out = subprocess.run(run[0], shell=True, capture_output=True, text=True, timeout=60)
+    job = json.loads(out.stdout)["job_id"]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        status = json.loads(subprocess.run(run[1].replace("JOB_ID", job), shell=True, capture_output=True,
+                                           text=True, timeout=60).stdout)["status"]
+        if status in ("done", "failed"):
+            break
+        time.sleep(0.3)
+    assert status == "done"
+    ans = json.loads(subprocess.run(run[2], shell=True, capture_output=True, text=True, timeout=120).stdout)
+    assert ans["sources"][0]["doc_id"] == "manual" and "answer" in ans
+    (py,) = _readme_blocks("python")
+    code = py.replace("http://127.0.0.1:8000/v1", url + "/v1").replace("max_tokens=64", "max_tokens=8")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-1000:]
