@@ -129,12 +129,14 @@ class Manifest:
     _n_blocks: int | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ rows
+    @staticmethod
+    def _rows(start: int, ids: str) -> range:
+        """The rows of one range: start .. start + its number of block ids."""
+        return range(start, start + len(ids) // ID_HEX)
+
     @property
     def rows_end(self) -> int:
-        if not self.ranges:
-            return 0
-        start, ids, _ = self.ranges[-1]
-        return start + len(ids) // ID_HEX
+        return self._rows(*self.ranges[-1][:2]).stop if self.ranges else 0
 
     @property
     def next_row(self) -> int:
@@ -144,19 +146,17 @@ class Manifest:
     @property
     def n_blocks(self) -> int:
         if self._n_blocks is None:
-            self._n_blocks = sum(len(r[1]) // ID_HEX for r in self.ranges) - len(self.freed)
+            self._n_blocks = sum(len(self._rows(s, ids)) for s, ids, _ in self.ranges) - len(self.freed)
         return self._n_blocks
 
     def is_committed(self, row: int) -> bool:
         i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
         if i < 0:
             return False
-        start, ids, _ = self.ranges[i]
-        return row < start + len(ids) // ID_HEX and row not in self.freed
+        return row in self._rows(*self.ranges[i][:2]) and row not in self.freed
 
     def committed_rows(self) -> list[int]:
-        return [r for start, ids, _ in self.ranges for r in range(start, start + len(ids) // ID_HEX)
-                if r not in self.freed]
+        return [r for start, ids, _ in self.ranges for r in self._rows(start, ids) if r not in self.freed]
 
     def id_of(self, row: int) -> bytes:
         i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
@@ -165,15 +165,15 @@ class Manifest:
 
     def committed_since(self, t: float) -> set[int]:
         """Rows appended by commits at or after time t."""
-        return {r for start, ids, when in self.ranges if when >= t for r in range(start, start + len(ids) // ID_HEX)}
+        return {r for start, ids, when in self.ranges if when >= t for r in self._rows(start, ids)}
 
     def ids(self):
         """(block id, row) of every committed block, in row order."""
         for start, ids, _ in self.ranges:
             raw = bytes.fromhex(ids)
-            for i in range(len(ids) // ID_HEX):
-                if start + i not in self.freed:
-                    yield raw[i * 16:(i + 1) * 16], start + i
+            for i, row in enumerate(self._rows(start, ids)):
+                if row not in self.freed:
+                    yield raw[i * 16:(i + 1) * 16], row
 
     # ------------------------------------------------------------------ header
     def header(self) -> dict:

@@ -53,6 +53,7 @@ STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16
 ROW_CAPACITY = 1 << 32
 META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest")
 ARRAYS = ("kv", *META_ARRAYS)
+INDEX_DIR = "index"                       # the selection indexes (derived data, written under the writer lock)
 TRACE_ENV = "KVMEMORY_TRACE_COMMITS"      # a file to append "begin/end <time>" of each commit to
 
 
@@ -178,17 +179,11 @@ class BlockStore:
     def refresh(self) -> None:
         """Pick up commits made by other processes since this store was opened (one stat if none)."""
         with self._mutex:
-            before = self.manifest.commit
-            recs = read_new_records(self.root, self.manifest)
-            if recs:
-                self._after_records(before, recs)
+            self._after_records(read_new_records(self.root, self.manifest))
 
-    def _after_records(self, before: int, records: list[CommitRecord] | None = None) -> None:
-        """Bring the id map up to date: with the records applied (what changed), else by a rescan."""
+    def _after_records(self, records: list[CommitRecord]) -> None:
+        """Bring the id map (if built) up to date with records just applied: only what they changed."""
         if self._ids is None:
-            return
-        if records is None:
-            self._ids = None
             return
         for rec in records:
             if rec.n_new:
@@ -286,26 +281,21 @@ class BlockStore:
                 self._check_digest(r, kv[i], int(meta["n_tokens"][i]), meta["digest"][i], meta["block_id"][i])
         return kv, meta["n_tokens"]
 
-    def read_state_kv(self, rows: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words.
-
-        out: an optional C-contiguous destination of that shape and dtype (e.g. a torch tensor's numpy view)."""
+    def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:
+        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words."""
         rows = [int(r) for r in rows]
         self._check_committed(rows)
         meta = self.block_meta(rows)
         n = [int(x) for x in meta["n_tokens"]]
         shape = self._arr["kv"].shape
         want = (shape[1], shape[2], shape[3], sum(n), shape[5])
-        if out is not None and (out.shape != want or out.dtype != self._arr["kv"].dtype
-                                or not out.flags.c_contiguous):
-            raise ValueError(f"out must be a C-contiguous {want} {self._arr['kv'].dtype} array")
         if self._direct is None:      # compressed chunks: zarr decodes, then one concatenation
-            res = np.zeros(want, dtype=self._arr["kv"].dtype) if out is None else out
+            res = np.zeros(want, dtype=self._arr["kv"].dtype)
             if rows:
                 kv, _ = self.read_kv(rows)
                 np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3, out=res)
             return res
-        res = shards.host_buffer(want, self._arr["kv"].dtype) if out is None else out
+        res = shards.host_buffer(want, self._arr["kv"].dtype)
         shards.read_state(self.root / "data" / "kv", rows, n, [d.tobytes() for d in meta["digest"]],
                           [b.tobytes().hex() for b in meta["block_id"]], res, self._direct.per_shard)
         return res
@@ -326,8 +316,7 @@ class BlockStore:
             chunk = rows[part:part + 64]
             for row in chunk:
                 try:
-                    self.verified_meta([row])
-                    parent = int(self.block_meta([row])["parent"][0])
+                    parent = int(self.verified_meta([row])["parent"][0])
                     if parent >= row or (parent >= 0 and not self.is_committed(parent)):
                         raise StoreCorruptError(f"block (row {row}): its parent row {parent} is not an earlier "
                                                 "committed block")
@@ -372,9 +361,8 @@ class BlockStore:
         against the refreshed ids (rows from store.next_row on). Data files are written and
         fsynced first, the commit record last: a crash or a full disk leaves the previous commit
         whole. `after(manifest)` runs once the commit is durable, still under the lock.
+        StoreReadOnlyError on a read-only store (from write_lock).
         """
-        if self.read_only:
-            raise StoreReadOnlyError(f"store {self.root} is open read-only")
         with self.write_lock():
             _trace("begin")
             try:
@@ -427,9 +415,8 @@ class BlockStore:
                              f"({lost[:5]}); nothing was written: run it again")
 
     def _apply(self, rec: CommitRecord) -> None:
-        before = self.manifest.commit
         self.manifest.apply(rec)
-        self._after_records(before, [rec])
+        self._after_records([rec])
 
     def plan_chain(self, chain: Sequence[bytes], tokens: Sequence[int], start: int, parent_row: int,
                    kv_of: Callable[[int], np.ndarray]) -> tuple[list[NewBlock], list[int]]:
@@ -507,12 +494,19 @@ class BlockStore:
 
     def clean_leftovers(self) -> int:
         """Remove what interrupted writes left: temp files, and data files past the last commit.
-        Called under the writer lock on a writer's first commit. Returns the files removed."""
+        Called under the writer lock on a writer's first commit. Returns the files removed.
+
+        Only where the writer lock governs writes: the store's root, data/, log/, index/ (not,
+        e.g., a server's serve/ folder, whose files are written without that lock)."""
         removed = 0
-        for dirpath, _, names in os.walk(self.root):
-            for f in names:
-                if f.endswith(".partial") or (f.startswith(".") and f.endswith(TEMP_SUFFIX)):
-                    removed += _unlink(Path(dirpath) / f)
+        for top in (self.root / "data", self.root / LOG_DIR, self.root / INDEX_DIR):
+            for dirpath, _, names in os.walk(top):
+                for f in names:
+                    if f.endswith(".partial") or (f.startswith(".") and f.endswith(TEMP_SUFFIX)):
+                        removed += _unlink(Path(dirpath) / f)
+        for f in os.listdir(self.root):
+            if f.startswith(".") and f.endswith(TEMP_SUFFIX):
+                removed += _unlink(self.root / f)
         first = self.manifest.next_row // self.manifest.shard_blocks
         for name in ARRAYS:
             cdir = self.root / "data" / name / "c"
@@ -540,8 +534,6 @@ class BlockStore:
         (temp file, fsync, rename: the live rows are in the old or the new file, never in neither)
         or removed. A crash mid-way leaves bytes to reclaim, which the next gc finds.
         """
-        if self.read_only:
-            raise StoreReadOnlyError(f"store {self.root} is open read-only")
         with self.write_lock():
             self.refresh()
             if not self._cleaned:
@@ -576,11 +568,12 @@ class BlockStore:
         for shard in sorted({r // S for r in m.freed}):
             rows = range(shard * S, (shard + 1) * S)
             keep = [r - shard * S for r in rows if m.is_committed(r)]
-            kv_file = self._files_of(shard, shard)[0]
+            files = self._files_of(shard, shard)
+            kv_file = files[0]
             if not kv_file.exists():
                 continue
             if not keep:
-                for f in self._files_of(shard, shard):
+                for f in files:
                     if f.exists():
                         freed += f.stat().st_size
                         removed += _unlink(f)

@@ -203,10 +203,14 @@ def test_leftovers_are_cleaned_by_the_next_writer_and_not_counted(tmp_path):
         p.parent.mkdir(exist_ok=True)
         p.write_bytes(b"y" * 1000)
     assert store.disk_bytes() == size + past.stat().st_size + 100       # temp files are not store bytes
+    foreign = root / "serve" / ".jobs.json.abc.tmp"                     # written without the writer lock
+    foreign.parent.mkdir()
+    foreign.write_bytes(b"z")
     again = BlockStore.open(root, read_only=False)
     sid2 = commit_state(again, *random_state(gen, 3))                   # a writer's first commit cleans
     assert not past.exists() and not (root / "data" / "tokens" / "c" / "7").exists()
     assert not any(p.exists() for p in temps)
+    assert foreign.exists(), "the cleanup reached into a folder the writer lock does not govern"
     fresh = BlockStore.open(root)
     assert fresh.verify_all() == [] and torch.equal(read_state(fresh, sid), kv) and sid2 in fresh.manifest.states
 
