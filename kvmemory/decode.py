@@ -1,4 +1,4 @@
-"""The one greedy decode loop (Memory.generate, ask, the benchmarks)."""
+"""The one decode loop (Memory.generate, ask, the server's chat, the benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,24 @@ from kvmemory.device import ids_tensor
 
 
 @torch.inference_mode()
-def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int], on_token=None) -> list[int]:
-    """Greedy tokens after `logits` (of the last token already in `cache`), extending cache in place.
+def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int], on_token=None,
+           pick=None) -> list[int]:
+    """Tokens after `logits` (of the last token already in `cache`), extending cache in place.
 
-    Stops at an eos id (not included) or after max_new_tokens, with no forward pass for a token
-    it would not use. on_token(new_ids) is called after each token (for streaming)."""
+    pick(logits) -> token id chooses each token (default: argmax, greedy). Stops at an eos id
+    (not included), after max_new_tokens, or when on_token(new_ids), called after each token (for
+    streaming), returns True; no forward pass for a token it would not use."""
+    pick = pick or (lambda x: int(x.argmax()))
     new: list[int] = []
-    nxt = int(logits.argmax())
+    nxt = pick(logits)
     while nxt not in eos and len(new) < max_new_tokens:
         new.append(nxt)
-        if on_token is not None:
-            on_token(new)
+        if on_token is not None and on_token(new):
+            break
         if len(new) == max_new_tokens:
             break
         out = model(input_ids=ids_tensor([nxt], model), past_key_values=cache, use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
+        nxt = pick(out.logits[0, -1])
     return new
 
 

@@ -29,10 +29,9 @@ from kvmemory.index import windows as win
 from kvmemory.index.lexical import LexicalIndex
 from kvmemory.index import keys as keysel
 from kvmemory.manifest import DocEntry
-from kvmemory.store import NewBlock
+from kvmemory.store.zarr_store import INDEX_DIR
 
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
-INDEX_DIR = "index"
 # derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
 INDEX_FILES = {"dense": "dense-w2.faiss", "bm25": "bm25-w3.json", "keys": "keys-w1.faiss"}
 
@@ -302,7 +301,7 @@ class Documents:
             progress.total = len(ids)
             progress.refresh()
         doc_id = doc_id or xxhash.xxh3_64_hexdigest(np.asarray(ids, np.int32).tobytes())
-        _check_doc_id(doc_id)
+        check_doc_id(doc_id)
         store.refresh()
         if doc_id in store.manifest.docs:
             raise InputError(f"document {doc_id!r} already exists; remove it first (kvmemory rm)")
@@ -433,7 +432,7 @@ def read_files(paths) -> tuple[list[Path], list[str]]:
         raise InputError(f"two files share a name ({where}); doc ids come from file names, rename one")
     texts = []
     for p in paths:
-        _check_doc_id(p.name)
+        check_doc_id(p.name)
         try:
             texts.append(decode_text(p.read_bytes(), str(p)))
         except OSError as e:
@@ -441,15 +440,15 @@ def read_files(paths) -> tuple[list[Path], list[str]]:
     return paths, texts
 
 
+def valid_id(value) -> bool:
+    """An id (document, session) is printable text: no control characters (a terminal escape, a
+    tab, a newline would corrupt `kvmemory docs` output and logs), 1 to 200 characters."""
+    return isinstance(value, str) and 0 < len(value) <= 200 and \
+        not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in value)
+
+
 def check_doc_id(doc_id: str) -> None:
     """InputError unless doc_id is a valid document id."""
-    _check_doc_id(doc_id)
-
-
-def _check_doc_id(doc_id: str) -> None:
-    """A document id is printable text: no control characters (a terminal escape, a tab, a newline
-    would corrupt `kvmemory docs` output and logs), at most 200 characters."""
-    if not isinstance(doc_id, str) or not doc_id or len(doc_id) > 200 or \
-            any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in doc_id):
+    if not valid_id(doc_id):
         raise InputError(f"a document id is a non-empty string of at most 200 characters without control "
                          f"characters, got {doc_id!r}")

@@ -19,7 +19,7 @@ from kvmemory.errors import (InputError, ModelMismatchError, StateNotFoundError,
                              WindowExceededError)
 from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry
 from kvmemory.model import fingerprint, geometry, load_model
-from kvmemory.store import BlockStore, NewBlock
+from kvmemory.store import BlockStore
 from kvmemory.store.info import describe
 
 
@@ -63,9 +63,8 @@ class State:
 
     def cache(self):
         """A new transformers DynamicCache holding this state on the model's device; the model may extend it."""
-        if self.kv.device == self._device:      # views of self.kv: no second copy (the model never writes them)
-            return kvops.make_cache(self.kv, self._config, copy=False)
-        return kvops.make_cache(self.kv.to(self._device), self._config, copy=False)
+        kv = self.kv if self.kv.device == self._device else self.kv.to(self._device)
+        return kvops.make_cache(kv, self._config, copy=False)   # views of kv: the model never writes them
 
     def __repr__(self) -> str:
         return f"State(id={self.id[:16]}…, n_tokens={self.n_tokens}, label={self.label!r})"

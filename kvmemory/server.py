@@ -267,9 +267,9 @@ class Engine:
 
     def chat(self, p: dict, emit, cancel: threading.Event) -> dict:
         """Fit the prompt, restore/compute it, decode, save the conversation. emit(text_delta) streams."""
+        from kvmemory.decode import greedy
         from kvmemory.device import ids_tensor
         mem = self.mem
-        t0 = time.perf_counter()
         with mem.exclusive():                                      # one request's model work at a time
             ids, recalled = self.fit(p)
             prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
@@ -280,48 +280,42 @@ class Engine:
                     from kvmemory import kv as kvops
                     cache = kvops.make_cache(None, mem.model.config)
                 out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
-                ttft = time.perf_counter() - t0
                 gen = torch.Generator().manual_seed(p["seed"]) if p["seed"] is not None else None
-                eos = mem.eos_ids
-                new: list[int] = []
-                emitted, finish, text = 0, "length", ""
                 stops = p["stop"]
                 hold = max((len(s) for s in stops), default=1) - 1
-                logits = out.logits[0, -1]
-                while len(new) < p["max_tokens"]:
-                    if cancel.is_set():
-                        finish = "cancelled"
-                        break
-                    nxt = sample_next(logits, p["temperature"], p["top_p"], gen)
-                    if nxt in eos:
-                        finish = "stop"
-                        break
-                    new.append(nxt)
+                st = {"text": "", "emitted": 0, "finish": None}
+
+                def on_token(new: list[int]) -> bool:
+                    """Emit the text that is safe to send; True (stop) at a stop string or a cancel."""
                     text = mem.tokenizer.decode(new, skip_special_tokens=True)
                     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                     if cut >= 0:
-                        text, finish = text[:cut], "stop"
-                        break
+                        st["text"], st["finish"] = text[:cut], "stop"
+                        return True
+                    st["text"] = text
                     safe = len(text) - hold
-                    while safe > emitted and text[safe - 1] == "\ufffd":    # an unfinished UTF-8 character
+                    while safe > st["emitted"] and text[safe - 1] == "\ufffd":   # an unfinished UTF-8 character
                         safe -= 1
-                    if safe > emitted:
-                        emit(text[emitted:safe])
-                        emitted = safe
-                    if len(new) == p["max_tokens"]:
-                        break
-                    logits = mem.model(input_ids=ids_tensor([nxt], mem.model), past_key_values=cache,
-                                       use_cache=True).logits[0, -1]
-                if len(text) > emitted:
-                    emit(text[emitted:])
+                    if safe > st["emitted"]:
+                        emit(text[st["emitted"]:safe])
+                        st["emitted"] = safe
+                    if cancel.is_set():
+                        st["finish"] = "cancelled"
+                        return True
+                    return False
+                new = greedy(mem.model, cache, out.logits[0, -1], p["max_tokens"], mem.eos_ids, on_token=on_token,
+                             pick=lambda x: sample_next(x, p["temperature"], p["top_p"], gen))
+                text = st["text"]
+                finish = st["finish"] or ("length" if len(new) == p["max_tokens"] else "stop")
+                if len(text) > st["emitted"]:
+                    emit(text[st["emitted"]:])
             # the conversation with its reply, computed canonically: the next turn restores it
             state = mem.save(ids + new, label="kvmemory:chat") if finish != "cancelled" else None
         if state is not None and p["session"]:
             self.sessions.record(p["session"], ([prefix.id] if prefix is not None else []) + [state.id],
                                  state.n_tokens, recalled)
         return {"text": text, "finish_reason": "stop" if finish == "cancelled" else finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(new), "cached_tokens": cached, "ttft_s": ttft,
-                "state_id": state.id if state is not None else None}
+                "completion_tokens": len(new), "cached_tokens": cached}
 
     # ------------------------------------------------------------------ ask
     def ask(self, q: dict, emit) -> dict:
@@ -394,9 +388,6 @@ class _JobProgress:
         if time.monotonic() - self.last > 2.0:
             self.last = time.monotonic()
             self.jobs.flush()
-
-    def close(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------- request parsing
@@ -500,9 +491,8 @@ def _number(body: dict, k: str, default: float, lo: float, hi: float, low_open: 
 
 
 def _check_id(value, what: str) -> str:
-    import unicodedata
-    if not isinstance(value, str) or not value or len(value) > 200 or \
-            any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in value):
+    from kvmemory.documents import valid_id
+    if not valid_id(value):
         raise _bad(what, f"{what} must be a non-empty string of at most 200 printable characters")
     return value
 
@@ -591,7 +581,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     def sse(obj) -> bytes:
         return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode()
 
-    async def stream_from_worker(fn, make_events, request: Request):
+    async def stream_from_worker(fn, make_events):
         """Run fn(emit, cancel) on the worker; yield SSE made by make_events(kind, payload)."""
         worker.admit()
         loop = asyncio.get_running_loop()
@@ -679,7 +669,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
             else:
                 yield sse(_from_exception(payload).body())
                 yield sse("[DONE]")
-        return await stream_from_worker(lambda emit, cancel: engine.chat(p, emit, cancel), events, request)
+        return await stream_from_worker(lambda emit, cancel: engine.chat(p, emit, cancel), events)
 
     @app.post("/v1/ask")
     async def ask(request: Request):
@@ -696,7 +686,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
             else:
                 yield sse(_from_exception(payload).body())
                 yield sse("[DONE]")
-        return await stream_from_worker(lambda emit, cancel: engine.ask(q, emit), events, request)
+        return await stream_from_worker(lambda emit, cancel: engine.ask(q, emit), events)
 
     @app.post("/v1/documents", status_code=202)
     async def add_document(request: Request):
