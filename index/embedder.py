@@ -34,6 +34,7 @@ class TextEmbedder:
 
         d = model_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        self.tokenizer.model_max_length = 1 << 30   # we cut windows ourselves (never truncate): no warning
         self.model = AutoModel.from_pretrained(d, local_files_only=True, dtype=torch.float32).eval()
 
     def pieces(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -184,19 +184,42 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
 
 
 def _text_stream(mem, on_text):
-    """on_token for greedy(): calls on_text(delta) with the text the new tokens add (whole characters)."""
+    """on_token for greedy(): calls on_text(delta) with the text the new tokens add (whole
+    characters); on_text returning True stops the decoding (a consumer that went away)."""
     if on_text is None:
         return None
     sent = [""]
 
-    def on_token(ids: list[int]) -> None:
+    def on_token(ids: list[int]) -> bool:
         text = mem.tokenizer.decode(ids, skip_special_tokens=True).strip()   # as the answer is
         if text.endswith("\ufffd"):                  # an unfinished UTF-8 character: wait for the rest
-            return
+            return False
         if text.startswith(sent[0]) and len(text) > len(sent[0]):
-            on_text(text[len(sent[0]):])
-            sent[0] = text
+            delta, sent[0] = text[len(sent[0]):], text
+            return bool(on_text(delta))               # True: stop decoding here
+        return False
     return on_token
+
+
+def passages(mem, answer: Answer) -> list[dict]:
+    """What an Answer grafted, as text: one dict per run of answer.sources (doc_id, start_token,
+    end_token, score, text), window order. The text is the blocks' stored tokens, decoded."""
+    window = answer.window
+    if window is None:
+        return []
+    meta = mem.require_store().block_meta([s.candidate.row for s in window.slots])
+    runs: list[list[int]] = []
+    for i, s in enumerate(window.slots):
+        c = s.candidate
+        ids = [int(x) for x in meta["tokens"][i][: c.n_tokens]]
+        if runs and runs[-1][0] == (c.doc_id, c.doc_start):
+            runs[-1][0] = (c.doc_id, c.doc_start + c.n_tokens)
+            runs[-1][1] += ids
+        else:
+            runs.append([(c.doc_id, c.doc_start + c.n_tokens), ids])
+    return [{"doc_id": d, "start_token": a, "end_token": b, "score": score,
+             "text": mem.tokenizer.decode(ids, skip_special_tokens=True)}
+            for (d, a, b, score), (_, ids) in zip(answer.sources, runs, strict=True)]
 
 
 def window_tokens(store, window: WindowPlan) -> list[int]:

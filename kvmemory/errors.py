@@ -64,3 +64,7 @@ class EmptyStoreError(KVMemoryError):
 
 class ModelLoadError(KVMemoryError):
     """The model could not be loaded (missing package, bad directory, unsupported model)."""
+
+
+class MissingDependencyError(KVMemoryError, ImportError):
+    """An optional part of kvmemory was used without the extra that installs what it needs."""

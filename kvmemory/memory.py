@@ -220,7 +220,8 @@ class Memory:
         below that fraction of the best block's: fewer distractors for a small model. With the model on
         CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
         attention is switched to kvmemory's window_attention op (transformers' attention registry).
-        on_token(text_delta), if given, receives the answer as it is decoded (streaming).
+        on_token(text_delta), if given, receives the answer as it is decoded (streaming); returning
+        True from it stops the decoding there.
         doc_filter(doc_id) -> bool, if given, limits selection to the documents it accepts.
         """
         from kvmemory import ask as _ask
