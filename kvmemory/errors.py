@@ -68,3 +68,7 @@ class ModelLoadError(KVMemoryError):
 
 class MissingDependencyError(KVMemoryError, ImportError):
     """An optional part of kvmemory was used without the extra that installs what it needs."""
+
+
+class VerificationError(KVMemoryError):
+    """A solution failed its verifier (Memory.learn); nothing was stored."""

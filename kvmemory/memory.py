@@ -118,6 +118,7 @@ class Memory:
         self._dtype = getattr(torch, self.geometry.dtype)
         self._pager = None
         self._documents = None
+        self._library = None
         self._segment_blocks = segment_blocks
 
     # ------------------------------------------------------------------ lifecycle
@@ -126,6 +127,7 @@ class Memory:
         self.store = None
         self._pager = None
         self._documents = None
+        self._library = None
 
     def __enter__(self) -> "Memory":
         return self
@@ -456,6 +458,40 @@ class Memory:
         out = self.model(input_ids=ids_tensor(ids, self.model), past_key_values=cache, use_cache=True)
         new = greedy(self.model, cache, out.logits[0, -1], max_new_tokens, self.eos_ids)
         return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ verified-solution library
+    @property
+    def library(self):
+        """The Library of solved examples (kvmemory.library), created on first use."""
+        if self._library is None:
+            from kvmemory.library import Library
+            self._library = Library(self)
+        return self._library
+
+    @_locked
+    def learn(self, problem: str, solution: str, verify=None):
+        """Deposit a solved example: checks `solution` with `verify` (a callable(solution) -> bool,
+        or "answer:X": its final answer must be X) and stores it only if it passes, as a state
+        (library prelude + problem + solution) indexed by its problem text. Returns the Entry.
+        A failing solution raises VerificationError and stores nothing; verify=None (explicit)
+        stores it marked unverified, and solve() never grafts unverified entries."""
+        return self.library.learn(problem, solution, verify)
+
+    @_locked
+    def solve(self, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
+              temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True):
+        """Solve a problem with the k nearest verified solutions grafted as worked examples.
+
+        Returns Solution(text, answer, verified, sources, stats). The first example sits at its stored
+        positions (its exact state); the others are re-rotated to follow it; only the problem is
+        prefilled. A problem already in the library restores its state up to "Answer:" and decodes
+        the answer alone (stats["repeated"]). With `verify`, up to `attempts` answers are drawn (the
+        first greedy, then sampled at `temperature`, seeded) until one verifies, and a verified one
+        is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline)."""
+        from kvmemory.library import solve
+        return solve(self, self.library, problem, verify=verify, k=k, attempts=attempts,
+                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, examples_as=examples_as,
+                     learn=learn)
 
     # ------------------------------------------------------------------ maintenance
     @_locked

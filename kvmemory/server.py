@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError, StateNotFoundError,
-                             StoreError, WindowExceededError)
+                             StoreError, VerificationError, WindowExceededError)
 
 SERVE_DIR = "serve"
 SESSION_DOCS = "session:"          # doc ids of chat memory: session:<hash of session id>:<hash of the message>
@@ -324,20 +324,19 @@ class Engine:
                       max_new_tokens=q.get("max_new_tokens", 48), recompute=q.get("recompute"),
                       expand=q.get("expand", True), min_relevance=q.get("min_relevance"), on_token=emit,
                       doc_filter=lambda d: not d.startswith(SESSION_DOCS))      # chat memory is not a document
-        return {"answer": ans.text, "sources": self.sources(ans), "stats": ans.stats}
+        from kvmemory.ask import passages
+        return {"answer": ans.text, "sources": passages(mem, ans), "stats": ans.stats}
 
-    def sources(self, ans) -> list[dict]:
-        mem = self.mem
-        store = mem.require_store()
-        C = store.manifest.block_tokens
-        out = []
-        for doc_id, start, end, score in ans.sources:
-            rows = store.manifest.docs[doc_id].rows[start // C:-(-end // C)]
-            meta = store.block_meta(rows)
-            toks = [int(t) for i in range(len(rows)) for t in meta["tokens"][i][:int(meta["n_tokens"][i])]]
-            out.append({"doc_id": doc_id, "start_token": start, "end_token": end, "score": score,
-                        "text": mem.tokenizer.decode(toks)})
-        return out
+    # ------------------------------------------------------------------ solution library
+    def learn(self, q: dict) -> dict:
+        e = self.mem.learn(q["problem"], q["solution"], verify=None if q["answer"] is None else f"answer:{q['answer']}")
+        return {"entry_id": e.entry_id, "verified": e.verified, "answer": e.answer, "n_tokens": e.n_tokens}
+
+    def solve(self, q: dict) -> dict:
+        sol = self.mem.solve(q["problem"], verify=None if q["answer"] is None else f"answer:{q['answer']}",
+                             k=q["k"], attempts=q["attempts"], max_new_tokens=q["max_new_tokens"], learn=q["learn"])
+        return {"text": sol.text, "answer": sol.answer, "verified": sol.verified, "sources": sol.sources,
+                "learned": sol.learned.entry_id if sol.learned else None, "stats": sol.stats}
 
     # ------------------------------------------------------------------ deposits
     def run_jobs(self, stop: threading.Event) -> None:
@@ -479,6 +478,55 @@ def parse_ask(body: dict) -> dict:
         raise _bad("max_new_tokens" if out.get("max_new_tokens", 48) > 512 else "top_k",
                    "max_new_tokens is at most 512 and top_k at most 64")
     return out
+
+
+def _text_field(body: dict, k: str, limit: int = 20000) -> str:
+    v = body.get(k)
+    if not isinstance(v, str) or not v.strip():
+        raise _bad(k, f"{k} must be a non-empty string", "missing_required_parameter")
+    if len(v) > limit:
+        raise _bad(k, f"{k} is {len(v)} characters; the limit is {limit}")
+    return v
+
+
+def _expected_answer(body: dict) -> str | None:
+    v = body.get("answer")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
+        raise _bad("answer", "answer (the expected final answer) must be a non-empty string or a number")
+    return str(v)
+
+
+def parse_learn(body: dict) -> dict:
+    unknown = sorted(set(body) - {"problem", "solution", "answer", "unverified"})
+    if unknown:
+        raise _bad(unknown[0], f"unrecognized request argument: {unknown[0]}", "unknown_parameter")
+    q = {"problem": _text_field(body, "problem"), "solution": _text_field(body, "solution"),
+         "answer": _expected_answer(body)}
+    unverified = body.get("unverified", False)
+    if not isinstance(unverified, bool):
+        raise _bad("unverified", "unverified must be a boolean")
+    if q["answer"] is None and not unverified:
+        raise _bad("answer", "give the expected answer to verify the solution against, or unverified: true",
+                   "missing_required_parameter")
+    return q
+
+
+def parse_solve(body: dict) -> dict:
+    unknown = sorted(set(body) - {"problem", "answer", "k", "attempts", "max_new_tokens", "learn"})
+    if unknown:
+        raise _bad(unknown[0], f"unrecognized request argument: {unknown[0]}", "unknown_parameter")
+    q = {"problem": _text_field(body, "problem", 8000), "answer": _expected_answer(body)}
+    for k, default, lo, hi in (("k", 3, 0, 16), ("attempts", 1, 1, 16), ("max_new_tokens", 256, 1, 512)):
+        v = body.get(k, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise _bad(k, f"{k} must be an integer in [{lo}, {hi}], got {v!r}")
+        q[k] = v
+    q["learn"] = body.get("learn", True)
+    if not isinstance(q["learn"], bool):
+        raise _bad("learn", "learn must be a boolean")
+    return q
 
 
 def _number(body: dict, k: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
@@ -671,6 +719,14 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 yield sse("[DONE]")
         return await stream_from_worker(lambda emit, cancel: engine.chat(p, emit, cancel), events)
 
+    @app.post("/v1/learn")
+    async def learn(request: Request):
+        return await worker.run(engine.learn, parse_learn(await read_json(request)))
+
+    @app.post("/v1/solve")
+    async def solve(request: Request):
+        return await worker.run(engine.solve, parse_solve(await read_json(request)))
+
     @app.post("/v1/ask")
     async def ask(request: Request):
         q = parse_ask(await read_json(request))
@@ -785,6 +841,8 @@ def _from_kvmemory(e: KVMemoryError) -> ApiError:
         return ApiError(404, str(e), code="not_found")
     if isinstance(e, EmptyStoreError):
         return ApiError(409, str(e), code="no_documents")
+    if isinstance(e, VerificationError):
+        return ApiError(422, str(e), code="verification_failed")
     if isinstance(e, WindowExceededError):
         return ApiError(400, str(e), code="context_length_exceeded")
     if isinstance(e, InputError):

@@ -109,14 +109,16 @@ def test_sampling_parameters_are_honoured_or_refused(served, rng):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
 
 
+def shaped(r, status):
+    """An OpenAI-shaped error response with this status: its error object."""
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    return e
+
+
 def test_errors_are_openai_shaped_everywhere(served):
     url, mem, _ = served
-
-    def shaped(r, status):
-        assert r.status_code == status, r.text
-        e = r.json()["error"]
-        assert set(e) == {"message", "type", "param", "code"} and e["message"]
-        return e
     shaped(httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
            400)
     shaped(httpx.get(url + "/v1/nowhere"), 404)
@@ -342,7 +344,8 @@ def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memo
 def _readme_blocks(lang: str) -> list[str]:
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("## Serving"):text.index("## Command line")]
+    start = text.index("## Serving")
+    section = text[start:text.index("\n## ", start)]
     return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(lang)]
 
 
@@ -376,3 +379,24 @@ def test_the_readme_examples_work_as_written(served, rng):
     code = py.replace("http://127.0.0.1:8000/v1", url + "/v1").replace("max_tokens=64", "max_tokens=8")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-1000:]
+
+
+def test_learn_and_solve_endpoints(served):
+    url, mem, _ = served
+    r = httpx.post(url + "/v1/learn", json={"problem": "Add 1 and 2.", "solution": "1 + 2 = 3.\nAnswer: 3",
+                                            "answer": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["verified"] and r.json()["answer"] == "3"
+    entry = r.json()["entry_id"]
+    bad = httpx.post(url + "/v1/learn", json={"problem": "Add 2 and 2.", "solution": "Answer: 5", "answer": "4"},
+                     timeout=60)
+    assert shaped(bad, 422)["code"] == "verification_failed"
+    assert [e.entry_id for e in mem.library.entries()] == [entry]            # the rejected one never entered
+    shaped(httpx.post(url + "/v1/learn", json={"problem": "p", "solution": "s"}), 400)       # no answer, not unverified
+    shaped(httpx.post(url + "/v1/learn", json={"problem": "p", "solution": "s", "extra": 1}), 400)
+    s = httpx.post(url + "/v1/solve", json={"problem": "Add 1 and 2.", "max_new_tokens": 8}, timeout=60).json()
+    assert s["stats"]["repeated"] and s["sources"] == [entry] and s["stats"]["tokens_prefilled"] == 1
+    n = httpx.post(url + "/v1/solve", json={"problem": "Add 3 and 4.", "max_new_tokens": 4, "learn": False},
+                   timeout=60).json()
+    assert n["sources"] == [entry] and n["stats"]["tokens_restored"] > 0 and n["learned"] is None
+    for body in ({"problem": ""}, {"problem": "x", "attempts": 0}, {"problem": "x", "k": 99}, {"problem": "x", "learn": 1}):
+        shaped(httpx.post(url + "/v1/solve", json=body), 400)

@@ -1,0 +1,189 @@
+"""The flywheel: accuracy gained and decoded tokens saved by a library of verified solutions.
+
+Fresh problems every run (benchmarks/problems.py: multi-step arithmetic, unit conversions, date
+arithmetic, string manipulation, each generated with its exact answer). Side by side, in one run,
+with the default model:
+
+  base greedy      the model alone (library prelude only), one greedy answer
+  base best-of-N   the model alone, up to N answers (greedy, then sampled) until one verifies
+  flywheel         start from an empty library; solve a stream of problems with best-of-N, learn
+                   what verifies; after 10, 50, 200 ... stream problems, answer the evaluation
+                   problems greedily with the k nearest verified solutions grafted as KV
+  text few-shot    the same k examples as the last flywheel checkpoint, re-prefilled as text
+  repeated         stream problems that were learned, asked again (restored from their state)
+
+Accuracy: the answer's final line matches (kvmemory.library.answer_is), with a 95% Wilson
+interval. Decoded / prefilled tokens and TTFT per problem. JSON + PNG (the flywheel curve).
+
+    python benchmarks/bench_flywheel.py --stream 200 --eval 40 --checkpoints 10,50,200
+    python benchmarks/bench_flywheel.py --stream 30 --eval 16 --checkpoints 10,30    # ~15 min, 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+from problems import FAMILIES, draw  # noqa: E402
+
+import kvmemory  # noqa: E402
+from kvmemory.library import answer_is  # noqa: E402
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 0.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def run(mem, problems, label: str, bar, **solve_kw) -> dict:
+    rows = []
+    for fam, text, ans in problems:
+        sol = mem.solve(text, verify=answer_is(ans), **solve_kw)
+        st = sol.stats
+        rows.append({"family": fam, "problem": text, "answer": ans, "got": sol.answer, "ok": bool(sol.verified),
+                     "decoded": st["tokens_decoded"], "prefilled": st["tokens_prefilled"],
+                     "restored": st["tokens_restored"], "attempts": st["attempts"], "examples": st["examples"],
+                     "repeated": st["repeated"], "ttft": st["timings_s"]["ttft"], "total": st["timings_s"]["total"],
+                     "learned": sol.learned.entry_id if sol.learned else None})
+        bar(label)
+    return summarize(rows)
+
+
+def summarize(rows: list[dict]) -> dict:
+    n, k = len(rows), sum(r["ok"] for r in rows)
+    mean = lambda key: statistics.fmean(r[key] for r in rows) if rows else 0.0   # noqa: E731
+    fams = {}
+    for f in sorted({r["family"] for r in rows}):
+        rs = [r for r in rows if r["family"] == f]
+        fams[f] = {"n": len(rs), "correct": sum(r["ok"] for r in rs)}
+    return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": wilson(k, n),
+            "decoded_mean": mean("decoded"), "prefilled_mean": mean("prefilled"), "restored_mean": mean("restored"),
+            "ttft_median": statistics.median(r["ttft"] for r in rows) if rows else 0.0,
+            "total_mean": mean("total"), "families": fams, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stream", type=int, default=200, help="problems the flywheel solves and learns from")
+    ap.add_argument("--eval", type=int, default=40, help="new problems every condition is measured on")
+    ap.add_argument("--checkpoints", default="10,50,200", help="stream lengths at which the library is evaluated")
+    ap.add_argument("--n", type=int, default=8, help="best-of-N attempts (base and flywheel stream)")
+    ap.add_argument("--k", type=int, default=3, help="worked examples grafted")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=24, help="learned stream problems asked again")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    checkpoints = sorted({min(int(c), args.stream) for c in args.checkpoints.split(",")})
+    evals = draw(rng, args.eval)
+    stream = draw(rng, args.stream, avoid={t for _, t, _ in evals})
+    done = [0]
+    t_start = time.perf_counter()
+
+    def bar(label: str) -> None:
+        done[0] += 1
+        if done[0] % 5 == 0:
+            print(f"  [{time.perf_counter() - t_start:7.0f} s] {done[0]} solves ({label})", file=sys.stderr, flush=True)
+
+    kw = {"max_new_tokens": args.max_new_tokens, "learn": False}
+    res: dict = {"seed": seed, "machine": describe(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "args": vars(args), "families": list(FAMILIES), "conditions": {}, "curve": []}
+    with tempfile.TemporaryDirectory(prefix="kvm-flywheel-") as tmp:
+        mem = kvmemory.Memory(Path(tmp) / "lib.kvm")
+        C = res["conditions"]
+        C["base_greedy"] = run(mem, evals, "base greedy", bar, k=0, **kw)
+        C[f"base_best_of_{args.n}"] = run(mem, evals, "base best-of-N", bar, k=0, attempts=args.n, **kw)
+        stream_rows = []
+        at = 0
+        for c in checkpoints:
+            part = run(mem, stream[at:c], "stream", bar, k=args.k, attempts=args.n, max_new_tokens=args.max_new_tokens,
+                       learn=True)
+            stream_rows += part["rows"]
+            at = c
+            lib = len([e for e in mem.library.entries() if e.verified])
+            ev = run(mem, evals, f"flywheel@{c}", bar, k=args.k, reuse=False, **kw)
+            res["curve"].append({"stream": c, "library": lib, **{k: v for k, v in ev.items() if k != "rows"}})
+            C[f"flywheel_after_{c}"] = ev
+            print(f"after {c} stream problems: library {lib}, eval accuracy {ev['accuracy']:.2f}", file=sys.stderr)
+        C["flywheel_stream"] = summarize(stream_rows)
+        C["text_few_shot"] = run(mem, evals, "text few-shot", bar, k=args.k, reuse=False, examples_as="text", **kw)
+        learned = [r for r in stream_rows if r["learned"]][: args.repeat]
+        again = [(r["family"], r["problem"], r["answer"]) for r in learned]
+        C["repeated"] = run(mem, again, "repeated", bar, k=args.k, **kw)
+        C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n, reuse=False,
+                                                   **kw)
+        mem.close()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    stamp = datetime.now().strftime("%Y-%m-%d")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"flywheel-{stamp}.json"
+    path.write_text(json.dumps(res, indent=1))
+    print_table(res, args.n)
+    plot(res, args.n, out / f"flywheel-{stamp}.png")
+    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")
+
+
+def print_table(res: dict, n: int) -> None:
+    print(f"\n{'condition':<24} {'acc':>6} {'95% CI':>13} {'n':>4} {'decoded':>8} {'prefilled':>9} {'restored':>8} "
+          f"{'TTFT s':>7}")
+    for name, c in res["conditions"].items():
+        lo, hi = c["ci95"]
+        print(f"{name:<24} {c['accuracy']:6.2f} {f'[{lo:.2f},{hi:.2f}]':>13} {c['n']:>4} {c['decoded_mean']:8.1f} "
+              f"{c['prefilled_mean']:9.1f} {c['restored_mean']:8.1f} {c['ttft_median']:7.3f}")
+    print("\nper family (correct/n):")
+    for name, c in res["conditions"].items():
+        print(f"  {name:<24} " + "  ".join(f"{f} {v['correct']}/{v['n']}" for f, v in c["families"].items()))
+
+
+def plot(res: dict, n: int, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    C = res["conditions"]
+    xs = [p["library"] for p in res["curve"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(xs, [p["accuracy"] for p in res["curve"]], "o-", label="flywheel (greedy, k examples as KV)")
+    a1.fill_between(xs, [p["ci95"][0] for p in res["curve"]], [p["ci95"][1] for p in res["curve"]], alpha=0.2)
+    for name, style in (("base_greedy", "--"), (f"base_best_of_{n}", ":")):
+        a1.axhline(C[name]["accuracy"], ls=style, color="gray", label=name)
+    a1.plot([xs[-1]], [C["text_few_shot"]["accuracy"]], "s", label="text few-shot (same examples)")
+    a1.set_xlabel("verified solutions in the library")
+    a1.set_ylabel("accuracy on new problems")
+    a1.set_ylim(0, 1)
+    a1.legend(fontsize=7)
+    a2.plot(xs, [p["decoded_mean"] for p in res["curve"]], "o-", label="flywheel")
+    a2.axhline(C[f"base_best_of_{n}"]["decoded_mean"], ls=":", color="gray", label=f"base best-of-{n}")
+    a2.axhline(C["repeated"]["decoded_mean"], ls="-.", color="green", label="repeated (restored)")
+    a2.set_yscale("log")
+    a2.set_xlabel("verified solutions in the library")
+    a2.set_ylabel("decoded tokens per problem")
+    a2.legend(fontsize=7)
+    fig.suptitle(f"kvmemory flywheel, SmolLM2-135M-Instruct, seed {res['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""The verified-solution library: solved problems kept as exact KV states and grafted into later
+contexts as worked examples (Memory.learn / Memory.solve).
+
+    entry   a problem, its solution (ending "Answer: X"), the extracted answer, whether a verifier
+            passed it, and the state that holds its KV: the library prelude (a fixed system
+            message) followed by the solved example (user: problem, assistant: solution).
+    solve   the k nearest verified entries by problem text (MiniLM + FAISS inner product) are
+            grafted into a window: the prelude and the first example at their stored positions
+            (exact: the bytes of its state), the next examples re-rotated to follow it (as ask
+            does with blocks); only the new problem is prefilled. A problem already in the
+            library restores its state up to "Answer:" and decodes just the answer.
+
+Entries live in STORE/library/ as write-once JSON files named by their state id, written after
+the state's commit (a crash in between leaves an unreferenced state, never an entry without KV).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import unicodedata
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvmemory.errors import InputError, StoreCorruptError, VerificationError, WindowExceededError
+
+SYSTEM = ("You solve problems step by step. Show the steps briefly, then give the final answer on its own "
+          "line as 'Answer: <answer>'.")
+ANSWER_MARK = "Answer:"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Entry:
+    entry_id: str            # the id of the state holding its KV
+    problem: str
+    solution: str
+    answer: str | None
+    verified: bool
+    verifier: str            # the verifier's name ("" when verify=None)
+    n_tokens: int
+    created: float = 0.0
+    version: int = FORMAT_VERSION
+
+
+@dataclass
+class Solution:
+    text: str
+    answer: str | None
+    verified: bool | None                      # None: no verifier was given
+    sources: list[str] = field(default_factory=list)   # entry ids of the grafted examples, window order
+    stats: dict = field(default_factory=dict)
+    learned: Entry | None = None               # the entry this solve added to the library
+    first_logits: torch.Tensor | None = field(default=None, repr=False)   # [vocab] of the first decoded token
+
+
+# ------------------------------------------------------------------ answers and verifiers
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: what follows the last 'Answer:' (first line of it), else
+    the last number in the text, else None."""
+    i = text.rfind(ANSWER_MARK)
+    if i >= 0:
+        ans = text[i + len(ANSWER_MARK):].strip().splitlines()
+        if ans and ans[0].strip():
+            return ans[0].strip().rstrip(".").strip()
+    nums = _NUM.findall(text)
+    return nums[-1] if nums else None
+
+
+def normalize_answer(a: str | None) -> str:
+    """Comparable form of an answer: case-folded, spaces collapsed, numbers canonical (1,000.50 -> 1000.5)."""
+    if a is None:
+        return ""
+    s = unicodedata.normalize("NFKC", a).strip().strip("$").strip().rstrip(".").casefold()
+    s = re.sub(r"\s+", " ", s)
+    m = re.fullmatch(r"-?\d[\d,]*(?:\.\d+)?", s)
+    if m:
+        v = float(s.replace(",", ""))
+        s = str(int(v)) if v == int(v) else repr(v)
+    return s
+
+
+def answer_is(expected) -> Callable[[str], bool]:
+    """A verifier: the solution's extracted answer equals `expected` (normalised)."""
+    want = normalize_answer(str(expected))
+
+    def verify(solution: str) -> bool:
+        return normalize_answer(extract_answer(solution)) == want
+    verify.__name__ = f"answer={expected}"
+    return verify
+
+
+VERIFIERS: dict[str, Callable[[str], Callable[[str], bool]]] = {"answer": answer_is}
+_REG_LOCK = threading.Lock()
+
+
+def register_verifier(name: str, factory: Callable[[str], Callable[[str], bool]]) -> None:
+    """Name a verifier family: verify="name:ARG" builds factory(ARG), a callable(solution) -> bool."""
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", name or ""):
+        raise InputError(f"a verifier name is lowercase letters, digits, - and _, got {name!r}")
+    with _REG_LOCK:
+        VERIFIERS[name] = factory
+
+
+def resolve_verifier(verify) -> tuple[Callable[[str], bool] | None, str]:
+    """(callable, name) of a verify argument: None, a callable(solution) -> bool, or "name:ARG"."""
+    if verify is None:
+        return None, ""
+    if callable(verify):
+        return verify, getattr(verify, "__name__", type(verify).__name__)
+    if isinstance(verify, str) and ":" in verify:
+        name, arg = verify.split(":", 1)
+        if name in VERIFIERS:
+            return VERIFIERS[name](arg), verify
+    raise InputError(f"verify must be None, a callable(solution) -> bool or 'name:ARG' with name in "
+                     f"{sorted(VERIFIERS)}, got {verify!r}")
+
+
+def run_verifier(fn: Callable[[str], bool], solution: str) -> bool:
+    ok = fn(solution)
+    if not isinstance(ok, (bool, np.bool_)):
+        raise InputError(f"a verifier must return True or False, got {ok!r}")
+    return bool(ok)
+
+
+def problem_key(problem: str) -> str:
+    """Identity of a problem: NFKC, whitespace collapsed, case kept (case can matter in a problem)."""
+    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", problem)).strip()
+
+
+# ------------------------------------------------------------------ the library
+class Library:
+    """The solved examples of one Memory (its store's library/ directory)."""
+
+    def __init__(self, mem) -> None:
+        self.mem = mem
+        self.dir = Path(mem.path) / "library"
+        self._entries: dict[str, Entry] = {}
+        self._vecs: dict[str, np.ndarray] = {}
+        self._prelude: list[int] | None = None
+
+    # ---- prompt pieces (token ids)
+    @property
+    def prelude_ids(self) -> list[int]:
+        if self._prelude is None:
+            self._prelude = self.mem.tokenize(self.mem.system_prompt(SYSTEM))
+        return self._prelude
+
+    def turn_ids(self, problem: str, solution: str | None = None) -> list[int]:
+        """The tokens of one solved example after the prelude (user turn + assistant's solution and
+        end of turn), or with solution None the user turn and the assistant's opening."""
+        tok = self.mem.tokenizer
+        sys_msg = [{"role": "system", "content": SYSTEM}]
+        head = tok.apply_chat_template(sys_msg, tokenize=False)
+        msgs = sys_msg + [{"role": "user", "content": problem}]
+        if solution is None:
+            full = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": solution}], tokenize=False)
+        if not full.startswith(head):
+            raise InputError("the chat template does not extend the system prompt; cannot build library turns")
+        return self.mem.tokenize(full[len(head):])
+
+    # ---- entries
+    def refresh(self) -> None:
+        """Read entries written since the last refresh (by this or another process)."""
+        if not self.dir.is_dir():
+            return
+        for p in sorted(self.dir.glob("*.json")):
+            if p.stem in self._entries:
+                continue
+            try:
+                d = json.loads(p.read_bytes())
+                e = Entry(**d)
+            except (ValueError, TypeError) as exc:
+                raise StoreCorruptError(f"library entry {p} cannot be read: {exc}") from None
+            if e.entry_id != p.stem:
+                raise StoreCorruptError(f"library entry {p} names state {e.entry_id}")
+            self._entries[e.entry_id] = e
+
+    def entries(self) -> list[Entry]:
+        self.refresh()
+        return sorted(self._entries.values(), key=lambda e: (e.created, e.entry_id))
+
+    def find(self, problem: str) -> Entry | None:
+        """The verified entry of this exact problem (normalised whitespace), newest first."""
+        key = problem_key(problem)
+        hits = [e for e in self.entries() if e.verified and problem_key(e.problem) == key]
+        return hits[-1] if hits else None
+
+    def learn(self, problem: str, solution: str, verify=None) -> Entry:
+        from kvmemory.manifest import write_new_file
+        for name, v in (("problem", problem), ("solution", solution)):
+            if not isinstance(v, str) or not v.strip():
+                raise InputError(f"the {name} must be non-empty text")
+        fn, vname = resolve_verifier(verify)
+        verified = False
+        if fn is not None:
+            if not run_verifier(fn, solution):
+                raise VerificationError(f"the solution fails its verifier {vname}; nothing was stored")
+            verified = True
+        ids = self.prelude_ids + self.turn_ids(problem, solution)
+        st = self.mem.save(ids, label=f"library: {problem_key(problem)[:60]}")
+        self.refresh()
+        if st.id in self._entries:                       # the same problem and solution, learned before
+            old = self._entries[st.id]
+            if old.verified or not verified:
+                return old
+        e = Entry(st.id, problem, solution, extract_answer(solution), verified, vname, len(ids), time.time())
+        self.dir.mkdir(exist_ok=True)
+        path = self.dir / f"{st.id}.json"
+        if path.exists():                                # upgrade unverified -> verified: replace atomically
+            tmp = self.dir / f".{st.id}.upgrade.tmp"
+            tmp.write_bytes(json.dumps(asdict(e)).encode())
+            tmp.replace(path)
+        else:
+            write_new_file(path, json.dumps(asdict(e), sort_keys=True).encode())
+        self._entries[e.entry_id] = e
+        return e
+
+    # ---- selection
+    def _vector(self, e: Entry) -> np.ndarray:
+        v = self._vecs.get(e.entry_id)
+        if v is None:
+            from kvmemory.integrations._common import shared_embedder
+            v = self._vecs[e.entry_id] = shared_embedder().embed([e.problem])[0]
+        return v
+
+    def nearest(self, problem: str, k: int, exclude: set[str] = frozenset()) -> list[tuple[Entry, float]]:
+        """The k verified entries whose problems are nearest to `problem` (cosine of MiniLM
+        embeddings, exact search with FAISS), best first."""
+        import faiss
+
+        from kvmemory.integrations._common import shared_embedder
+        pool = [e for e in self.entries() if e.verified and e.entry_id not in exclude]
+        if not pool or k < 1:
+            return []
+        index = faiss.IndexFlatIP(384)
+        index.add(np.stack([self._vector(e) for e in pool]).astype(np.float32))
+        q = shared_embedder().embed([problem]).astype(np.float32)
+        scores, idx = index.search(q, min(k, len(pool)))
+        return [(pool[int(i)], float(s)) for s, i in zip(scores[0], idx[0]) if i >= 0]
+
+    # ---- the window of worked examples
+    def window_kv(self, chosen: list[Entry]) -> tuple[torch.Tensor, list[int], int]:
+        """KV of prelude + the chosen examples in order: [L, 2, H, T, D], their token ids, and how
+        many leading tokens are exact (the first example's state, at its own positions)."""
+        from kvmemory.rope import inv_freq, rotate, shift_cos_sin
+        P = len(self.prelude_ids)
+        parts, ids, pos = [], [], P
+        exact = 0
+        freqs = inv_freq(self.mem.model)
+        for i, e in enumerate(chosen):
+            st = self.mem.load(e.entry_id)
+            if st.token_ids[:P] != self.prelude_ids:
+                raise StoreCorruptError(f"library entry {e.entry_id} does not start with the library prelude")
+            if i == 0:
+                parts.append(st.kv)
+                ids += st.token_ids
+                exact = len(st.token_ids)
+            else:
+                kv = st.kv[:, :, :, P:].clone()
+                shift = pos - P
+                cos, sin = shift_cos_sin(torch.tensor([shift]), freqs)
+                kv[:, 0] = rotate(kv[:, 0], cos[0].to(kv.device), sin[0].to(kv.device))
+                parts.append(kv)
+                ids += st.token_ids[P:]
+            pos = len(ids)
+        return torch.cat(parts, dim=3), ids, exact
+
+
+# ------------------------------------------------------------------ solve
+def _sampler(temperature: float, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> int:
+        p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return int(torch.multinomial(p, 1, generator=gen))
+    return pick
+
+
+def _last_run(ids: list[int], run: list[int]) -> int:
+    """End index of the last occurrence of `run` in ids, or -1."""
+    for i in range(len(ids) - len(run), -1, -1):
+        if ids[i:i + len(run)] == run:
+            return i + len(run)
+    return -1
+
+
+@torch.inference_mode()
+def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
+          temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
+          reuse: bool = True) -> Solution:
+    from kvmemory import kv as kvops
+    from kvmemory.decode import greedy
+    from kvmemory.device import ids_tensor, to_model
+
+    if not isinstance(problem, str) or not problem.strip():
+        raise InputError("the problem is empty")
+    for name, v in (("k", k), ("attempts", attempts), ("max_new_tokens", max_new_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "k" else 1):
+            raise InputError(f"{name} must be an integer >= {0 if name == 'k' else 1}, got {v!r}")
+    if not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise InputError(f"temperature must be > 0, got {temperature!r}")
+    if examples_as not in ("kv", "text"):
+        raise InputError(f"examples_as must be 'kv' or 'text', got {examples_as!r}")
+    fn, vname = resolve_verifier(verify)
+    t0 = time.perf_counter()
+    model = mem.model
+
+    # ---- a problem already solved: restore its state up to "Answer:", decode only the answer
+    hit = lib.find(problem) if reuse else None
+    if hit is not None:
+        st = mem.load(hit.entry_id)
+        mark = mem.tokenize(ANSWER_MARK)
+        P_turn = len(lib.prelude_ids) + len(lib.turn_ids(hit.problem, None))
+        cut = _last_run(st.token_ids, mark)
+        if cut > P_turn:
+            cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut - 1].contiguous(), model), model.config)
+            logits = model(input_ids=ids_tensor(st.token_ids[cut - 1:cut], model), past_key_values=cache,
+                           use_cache=True).logits[0, -1]
+            ttft = time.perf_counter() - t0
+
+            def line_done(new: list[int]) -> bool:
+                return "\n" in mem.tokenizer.decode(new, skip_special_tokens=True).strip(" ")
+            new = greedy(model, cache, logits, 24, mem.eos_ids, on_token=line_done)
+            head = mem.tokenizer.decode(st.token_ids[P_turn:cut], skip_special_tokens=True)
+            tail = mem.tokenizer.decode(new, skip_special_tokens=True).split("\n")[0]
+            text = (head + tail).strip()
+            ok = run_verifier(fn, text) if fn is not None else None
+            if ok is not False:
+                return Solution(text, extract_answer(text), ok, [hit.entry_id], {
+                    "repeated": True, "tokens_restored": cut - 1, "tokens_prefilled": 1,
+                    "tokens_decoded": len(new), "tokens_exact": cut - 1, "attempts": 1, "examples": 1,
+                    "verifier": vname, "timings_s": {"ttft": ttft, "total": time.perf_counter() - t0}},
+                    first_logits=logits.float().cpu())
+
+    # ---- worked examples: the k nearest verified solutions, best last (nearest the problem)
+    q_ids = lib.turn_ids(problem, None)
+    room = mem.geometry.max_positions - len(q_ids) - max_new_tokens
+    if len(lib.prelude_ids) > room:
+        raise WindowExceededError(f"the problem is {len(q_ids)} tokens; with the prelude and {max_new_tokens} "
+                                  f"answer tokens it does not fit the model's window")
+    chosen = [e for e, _ in lib.nearest(problem, k)][::-1]
+    while chosen and len(lib.prelude_ids) + sum(e.n_tokens - len(lib.prelude_ids) for e in chosen) > room:
+        chosen = chosen[1:]                                        # drop the farthest first
+    t = time.perf_counter()
+    if chosen and examples_as == "kv":
+        kv, ctx_ids, exact = lib.window_kv(chosen)
+        restored, rerotated = len(ctx_ids), len(ctx_ids) - exact
+        cache = kvops.make_cache(to_model(kv, model), model.config)
+        prefill = q_ids
+    else:
+        ctx_ids = list(lib.prelude_ids)
+        for e in chosen:
+            ctx_ids += mem.load(e.entry_id).token_ids[len(lib.prelude_ids):]
+        restored, rerotated, exact = 0, 0, 0
+        cache = None
+        prefill = ctx_ids + q_ids
+    graft_s = time.perf_counter() - t
+    if cache is None:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=model.config)
+    for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored):
+        pass
+    ttft = time.perf_counter() - t0
+    # every attempt starts from the same prefilled KV (a copy; the first may use it in place)
+    snapshot = kvops.cache_slice(cache, 0, restored + len(prefill)) if attempts > 1 else None
+    decoded, text, ok, learned = 0, "", None, None
+    for a in range(attempts):
+        run_cache = cache if a == 0 and snapshot is None else kvops.make_cache(snapshot, model.config)
+        pick = None if a == 0 else _sampler(float(temperature), seed + a)
+        new = greedy(model, run_cache, logits, max_new_tokens, mem.eos_ids, pick=pick)
+        decoded += len(new)
+        text = mem.tokenizer.decode(new, skip_special_tokens=True).strip()
+        if fn is None:
+            break
+        ok = bool(text) and run_verifier(fn, text)          # an empty answer is never verified
+        if ok:
+            break
+    if ok and learn:
+        learned = lib.learn(problem, text, fn)
+    return Solution(text, extract_answer(text), ok, [e.entry_id for e in chosen], {
+        "repeated": False, "examples": len(chosen), "examples_as": examples_as, "attempts": a + 1,
+        "tokens_restored": restored, "tokens_exact": exact, "tokens_rerotated": rerotated,
+        "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname,
+        "timings_s": {"graft": graft_s, "ttft": ttft, "total": time.perf_counter() - t0}}, learned,
+        logits.float().cpu())

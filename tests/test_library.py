@@ -1,0 +1,149 @@
+"""The verified-solution library (Memory.learn / Memory.solve): nothing unverified is grafted, a
+rejected solution never enters, a repeated problem restores its exact state, a verified solve is
+learned, the library survives reopen. Plumbing with the tiny model; answers with the real one."""
+
+import json
+
+import pytest
+import torch
+
+import kvmemory
+from kvmemory import kv as kvops
+from kvmemory.cli import main
+from kvmemory.errors import InputError, VerificationError
+from kvmemory.library import answer_is, extract_answer, normalize_answer, resolve_verifier
+
+
+def test_answers_and_verifiers():
+    assert extract_answer("3 + 4 = 7.\nAnswer: 7") == "7"
+    assert extract_answer("so it is 12 then 15") == "15"
+    assert extract_answer("Answer: April 6.\nmore") == "April 6"
+    assert extract_answer("no number") is None
+    assert normalize_answer("1,000.50") == "1000.5" and normalize_answer(" 7. ") == "7"
+    assert normalize_answer("Tuesday") == normalize_answer("tuesday")
+    assert answer_is(7)("x\nAnswer: 7") and not answer_is(7)("Answer: 8")
+    fn, name = resolve_verifier("answer:42")
+    assert fn("Answer: 42") and name == "answer:42"
+    for bad in ("nope:1", "answer", 3):
+        with pytest.raises(InputError):
+            resolve_verifier(bad)
+
+
+@pytest.fixture
+def tmem(store_path, tiny):
+    with kvmemory.Memory(store_path, model=tiny) as m:
+        yield m
+
+
+def test_rejected_never_enters_unverified_never_grafted(tmem):
+    before = len(tmem.states())
+    with pytest.raises(VerificationError):
+        tmem.learn("What is 2 + 2?", "2 + 2 = 5.\nAnswer: 5", verify="answer:4")
+    with pytest.raises(VerificationError):
+        tmem.learn("What is 2 + 2?", "Answer: 5", verify=lambda s: False)
+    assert len(tmem.states()) == before and tmem.library.entries() == []
+    assert not (tmem.path / "library").exists() or not list((tmem.path / "library").glob("*.json"))
+    with pytest.raises(InputError):
+        tmem.learn("What is 2 + 2?", "Answer: 4", verify=lambda s: "yes")       # a verifier must say True/False
+    u = tmem.learn("What is 3 + 3?", "Answer: 6", verify=None)
+    assert not u.verified and u.answer == "6"
+    sol = tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False)
+    assert u.entry_id not in sol.sources and not sol.stats["repeated"] and sol.stats["examples"] == 0
+    v = tmem.learn("What is 2 + 2?", "2 + 2 = 4.\nAnswer: 4", verify="answer:4")
+    assert v.verified and v.entry_id in {s.id for s in tmem.states()}
+    assert tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False).sources == [v.entry_id]
+    with pytest.raises(InputError):
+        tmem.learn("  ", "Answer: 1", verify=None)
+    with pytest.raises(InputError):
+        tmem.solve("x", k=-1)
+
+
+def test_verified_solve_is_learned_and_survives_reopen(store_path, tiny):
+    with kvmemory.Memory(store_path, model=tiny) as mem:
+        ex = mem.learn("Add 1 and 2.", "1 + 2 = 3.\nAnswer: 3", verify="answer:3")
+        sol = mem.solve("Add 5 and 6.", verify=lambda s: True, attempts=4, max_new_tokens=6)
+        assert sol.verified is True and sol.learned is not None and sol.learned.verified
+        assert sol.sources == [ex.entry_id] and sol.stats["tokens_restored"] > 0
+        assert sol.stats["tokens_exact"] == ex.n_tokens          # the one example sits at its own positions
+        sampled = mem.solve("Add 7 and 8.", verify=lambda s: False, attempts=3, max_new_tokens=5, seed=1)
+        assert sampled.verified is False and sampled.learned is None and sampled.stats["attempts"] == 3
+        ids = {e.entry_id for e in mem.library.entries()}
+    with kvmemory.Memory(store_path, model=tiny) as mem:
+        assert {e.entry_id for e in mem.library.entries()} == ids and len(ids) == 2
+        again = mem.solve("Add 5 and 6.", max_new_tokens=6)
+        assert again.stats["repeated"] or again.sources        # its own entry or, if no "Answer:", the examples
+        assert mem.verify() == []
+
+
+def test_window_first_example_exact_others_rerotated(tmem):
+    a = tmem.learn("Add 1 and 2.", "1 + 2 = 3.\nAnswer: 3", verify="answer:3")
+    b = tmem.learn("Add 4 and 4.", "4 + 4 = 8.\nAnswer: 8", verify="answer:8")
+    lib = tmem.library
+    kv, ids, exact = lib.window_kv([a, b])
+    sa, sb = tmem.load(a.entry_id), tmem.load(b.entry_id)
+    P = len(lib.prelude_ids)
+    assert ids == sa.token_ids + sb.token_ids[P:] and exact == len(sa.token_ids)
+    assert torch.equal(kv[:, :, :, :exact], sa.kv)                              # bytes of the stored state
+    assert torch.equal(kv[:, 1, :, exact:], sb.kv[:, 1, :, P:])                  # values never move
+    # keys moved by the offset: close to computing the two examples in one pass (RoPE is relative)
+    with torch.inference_mode():
+        cache = kvops.make_cache(None, tmem.model.config)
+        tmem.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        ref = kvops.cache_slice(cache, 0, len(ids))
+    assert not torch.equal(kv[:, 0, :, exact:], sb.kv[:, 0, :, P:])
+    # layer 0's keys depend on the token and its position only: the re-rotated ones match
+    assert torch.allclose(kv[0, 0, :, exact:], ref[0, 0, :, exact:], atol=1e-4)
+    assert torch.allclose(kv[0, 1, :, exact:], ref[0, 1, :, exact:], atol=1e-5)
+
+
+def test_cli_learn_and_solve(tmp_path, tiny_dir, capsys):
+    f = tmp_path / "sol.jsonl"
+    f.write_text("\n".join(json.dumps(d) for d in [
+        {"problem": "Add 1 and 2.", "solution": "1 + 2 = 3.\nAnswer: 3", "answer": 3},
+        {"problem": "Add 2 and 2.", "solution": "2 + 2 = 5.\nAnswer: 5", "answer": 4}]) + "\n")
+    store = tmp_path / "lib.kvm"
+    assert main(["learn", str(store), str(f), "--model", str(tiny_dir)]) == 1       # one rejected
+    out = capsys.readouterr()
+    assert "1 stored, 1 rejected" in out.out and "rejected" in out.err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "p", "solution": "s"}\n')
+    assert main(["learn", str(store), str(bad), "--model", str(tiny_dir)]) == 1
+    assert "--unverified" in capsys.readouterr().err
+    assert main(["solve", str(store), "Add 1 and 2.", "--json", "--model", str(tiny_dir)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["stats"]["repeated"] and res["stats"]["tokens_prefilled"] == 1
+    assert main(["solve", str(tmp_path / "missing.kvm"), "x", "--model", str(tiny_dir)]) == 1
+
+
+@pytest.mark.real_model
+def test_repeated_problem_restores_its_exact_state_and_answers(tmp_path, real_model):
+    with kvmemory.Memory(tmp_path / "r.kvm", model=real_model) as mem:
+        p = "A crate holds 14 jars. How many jars are in 6 crates?"
+        e = mem.learn(p, "Each crate holds 14 jars, so 6 crates hold 14 * 6 = 84 jars.\nAnswer: 84",
+                      verify="answer:84")
+        sol = mem.solve(p, verify="answer:84")
+        assert sol.stats["repeated"] and sol.answer == "84" and sol.verified
+        assert sol.stats["tokens_decoded"] <= 6 and sol.stats["tokens_prefilled"] == 1
+        # the restored prefix is the stored state's bytes, and the answer's first logits equal a clean
+        # computation in the same order (the state prefilled block by block, cut before its last
+        # "Answer:" token, that token fed alone): zero difference
+        st = mem.load(e.entry_id)
+        cut = sol.stats["tokens_restored"]
+        with torch.inference_mode():
+            cache = kvops.make_cache(None, mem.model.config)
+            for _ in kvops.prefill_blocks(mem.model, st.token_ids, mem.block_tokens, cache):
+                pass
+            assert torch.equal(kvops.cache_slice(cache, 0, st.n_tokens), st.kv)
+            kvops.truncate(cache, cut)
+            clean = mem.model(input_ids=torch.tensor([st.token_ids[cut:cut + 1]]), past_key_values=cache,
+                              use_cache=True).logits[0, -1]
+        assert torch.equal(sol.first_logits, clean)
+        # a new problem of the family: the example is grafted, only the problem is prefilled
+        new = mem.solve("A crate holds 12 jars. How many jars are in 5 crates?", max_new_tokens=48, learn=False)
+        assert new.sources == [e.entry_id] and new.stats["tokens_restored"] == e.n_tokens
+        assert new.stats["tokens_prefilled"] < 40
+        text = mem.solve("A crate holds 12 jars. How many jars are in 5 crates?", max_new_tokens=48, learn=False,
+                         examples_as="text")
+        assert text.stats["tokens_restored"] == 0 and text.stats["tokens_prefilled"] > e.n_tokens
+        # the same example: same tokens and positions, so the first token agrees
+        assert int(new.first_logits.argmax()) == int(text.first_logits.argmax())
