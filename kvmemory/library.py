@@ -10,8 +10,9 @@ contexts as worked examples (Memory.learn / Memory.solve).
             does with blocks); only the new problem is prefilled. A problem already in the
             library restores its state up to "Answer:" and decodes just the answer.
 
-Entries live in STORE/library/ as write-once JSON files named by their state id, written after
-the state's commit (a crash in between leaves an unreferenced state, never an entry without KV).
+Entries live in STORE/library/ as write-once JSON files, <state id>.verified.json or
+<state id>.unverified.json, written after the state's commit (a crash in between leaves an
+unreferenced state, never an entry without KV).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvmemory.errors import InputError, StoreCorruptError, VerificationError, WindowExceededError
+from kvmemory.errors import (InputError, StoreCorruptError, StoreError, VerificationError,
+                             WindowExceededError)
 
 SYSTEM = ("You solve problems step by step. Show the steps briefly, then give the final answer on its own "
           "line as 'Answer: <answer>'.")
@@ -77,24 +79,32 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize_answer(a: str | None) -> str:
-    """Comparable form of an answer: case-folded, spaces collapsed, numbers canonical (1,000.50 -> 1000.5)."""
+    """Comparable form of an answer: NFKC, case-folded, spaces collapsed, surrounding quotes and
+    final punctuation dropped, numbers canonical (1,000.50 -> 1000.5)."""
     if a is None:
         return ""
-    s = unicodedata.normalize("NFKC", a).strip().strip("$").strip().rstrip(".").casefold()
-    s = re.sub(r"\s+", " ", s)
-    m = re.fullmatch(r"-?\d[\d,]*(?:\.\d+)?", s)
-    if m:
+    s = unicodedata.normalize("NFKC", a).strip().casefold()
+    s = re.sub(r"\s+", " ", s).strip(" '\"`*$").rstrip(".!,;:").strip(" '\"`*$")
+    if re.fullmatch(r"-?\d[\d,]*(?:\.\d+)?", s):
         v = float(s.replace(",", ""))
         s = str(int(v)) if v == int(v) else repr(v)
     return s
 
 
 def answer_is(expected) -> Callable[[str], bool]:
-    """A verifier: the solution's extracted answer equals `expected` (normalised)."""
+    """A verifier: the solution's final answer (extract_answer) is `expected`. A numeric expected
+    answer is compared with the first number of the final answer ("84 jars" is 84); a text one
+    must equal it or begin it up to a word boundary ("April 6, 2025" is "April 6"), after
+    normalize_answer on both."""
     want = normalize_answer(str(expected))
+    numeric = re.fullmatch(r"-?\d+(?:\.\d+)?", want) is not None
 
     def verify(solution: str) -> bool:
-        return normalize_answer(extract_answer(solution)) == want
+        got = normalize_answer(extract_answer(solution))
+        if numeric:
+            m = _NUM.search(got)
+            return m is not None and normalize_answer(m.group(0)) == want
+        return got == want or (got.startswith(want) and not got[len(want)].isalnum())
     verify.__name__ = f"answer={expected}"
     return verify
 
@@ -146,6 +156,7 @@ class Library:
         self.dir = Path(mem.path) / "library"
         self._entries: dict[str, Entry] = {}
         self._vecs: dict[str, np.ndarray] = {}
+        self._index: tuple | None = None             # (entry ids, faiss index) of the last verified pool
         self._prelude: list[int] | None = None
 
     # ---- prompt pieces (token ids)
@@ -172,20 +183,25 @@ class Library:
 
     # ---- entries
     def refresh(self) -> None:
-        """Read entries written since the last refresh (by this or another process)."""
+        """Read entries written since the last refresh (by this or another process). An entry's
+        file is <state id>.verified.json or <state id>.unverified.json, each written once; where
+        both exist (learned unverified, later verified) the verified one counts."""
         if not self.dir.is_dir():
             return
         for p in sorted(self.dir.glob("*.json")):
-            if p.stem in self._entries:
+            sid, _, kind = p.name.removesuffix(".json").partition(".")
+            if kind not in ("verified", "unverified"):
+                continue
+            have = self._entries.get(sid)
+            if have is not None and (have.verified or kind == "unverified"):
                 continue
             try:
-                d = json.loads(p.read_bytes())
-                e = Entry(**d)
+                e = Entry(**json.loads(p.read_bytes()))
             except (ValueError, TypeError) as exc:
                 raise StoreCorruptError(f"library entry {p} cannot be read: {exc}") from None
-            if e.entry_id != p.stem:
-                raise StoreCorruptError(f"library entry {p} names state {e.entry_id}")
-            self._entries[e.entry_id] = e
+            if e.entry_id != sid or e.verified != (kind == "verified"):
+                raise StoreCorruptError(f"library entry {p} does not match its name")
+            self._entries[sid] = e
 
     def entries(self) -> list[Entry]:
         self.refresh()
@@ -217,13 +233,14 @@ class Library:
                 return old
         e = Entry(st.id, problem, solution, extract_answer(solution), verified, vname, len(ids), time.time())
         self.dir.mkdir(exist_ok=True)
-        path = self.dir / f"{st.id}.json"
-        if path.exists():                                # upgrade unverified -> verified: replace atomically
-            tmp = self.dir / f".{st.id}.upgrade.tmp"
-            tmp.write_bytes(json.dumps(asdict(e)).encode())
-            tmp.replace(path)
-        else:
+        path = self.dir / f"{st.id}.{'verified' if verified else 'unverified'}.json"
+        try:
             write_new_file(path, json.dumps(asdict(e), sort_keys=True).encode())
+        except StoreError:
+            if not path.exists():                        # not a concurrent learn of the same entry
+                raise
+            self.refresh()
+            return self._entries[st.id]
         self._entries[e.entry_id] = e
         return e
 
@@ -244,10 +261,13 @@ class Library:
         pool = [e for e in self.entries() if e.verified and e.entry_id not in exclude]
         if not pool or k < 1:
             return []
-        index = faiss.IndexFlatIP(384)
-        index.add(np.stack([self._vector(e) for e in pool]).astype(np.float32))
+        key = tuple(e.entry_id for e in pool)
+        if self._index is None or self._index[0] != key:
+            index = faiss.IndexFlatIP(384)
+            index.add(np.stack([self._vector(e) for e in pool]).astype(np.float32))
+            self._index = (key, index)
         q = shared_embedder().embed([problem]).astype(np.float32)
-        scores, idx = index.search(q, min(k, len(pool)))
+        scores, idx = self._index[1].search(q, min(k, len(pool)))
         return [(pool[int(i)], float(s)) for s, i in zip(scores[0], idx[0]) if i >= 0]
 
     # ---- the window of worked examples
@@ -387,11 +407,15 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         ok = bool(text) and run_verifier(fn, text)          # an empty answer is never verified
         if ok:
             break
+    learn_skipped = None
     if ok and learn:
-        learned = lib.learn(problem, text, fn)
+        if mem.require_store().read_only:
+            learn_skipped = "the store is read-only"
+        else:
+            learned = lib.learn(problem, text, fn)
     return Solution(text, extract_answer(text), ok, [e.entry_id for e in chosen], {
         "repeated": False, "examples": len(chosen), "examples_as": examples_as, "attempts": a + 1,
         "tokens_restored": restored, "tokens_exact": exact, "tokens_rerotated": rerotated,
-        "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname,
+        "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname, "learn_skipped": learn_skipped,
         "timings_s": {"graft": graft_s, "ttft": ttft, "total": time.perf_counter() - t0}}, learned,
         logits.float().cpu())

@@ -22,6 +22,9 @@ def test_answers_and_verifiers():
     assert normalize_answer("1,000.50") == "1000.5" and normalize_answer(" 7. ") == "7"
     assert normalize_answer("Tuesday") == normalize_answer("tuesday")
     assert answer_is(7)("x\nAnswer: 7") and not answer_is(7)("Answer: 8")
+    assert answer_is(84)("Answer: 84 jars.") and not answer_is(84)("Answer: 184 jars") and not answer_is(8)("Answer: 84")
+    assert answer_is("April 6")("Answer: April 6, 2025") and not answer_is("April 6")("Answer: April 60")
+    assert answer_is("tenalp")("Answer: 'tenalp'") and answer_is("Thursday")("Answer: thursday.")
     fn, name = resolve_verifier("answer:42")
     assert fn("Answer: 42") and name == "answer:42"
     for bad in ("nope:1", "answer", 3):
@@ -51,7 +54,17 @@ def test_rejected_never_enters_unverified_never_grafted(tmem):
     assert u.entry_id not in sol.sources and not sol.stats["repeated"] and sol.stats["examples"] == 0
     v = tmem.learn("What is 2 + 2?", "2 + 2 = 4.\nAnswer: 4", verify="answer:4")
     assert v.verified and v.entry_id in {s.id for s in tmem.states()}
-    assert tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False).sources == [v.entry_id]
+    assert tmem.learn("What is 2 + 2?", "2 + 2 = 4.\nAnswer: 4", verify="answer:4") == v     # learned once
+    # unverified, later verified: both files are write-once, the verified one counts
+    u2 = tmem.learn("What is 5 + 5?", "Answer: 10", verify=None)
+    up = tmem.learn("What is 5 + 5?", "Answer: 10", verify="answer:10")
+    assert up.entry_id == u2.entry_id and up.verified
+    assert sorted(p.name.split(".", 1)[1] for p in (tmem.path / "library").glob(f"{up.entry_id}.*")) == \
+        ["unverified.json", "verified.json"]
+    assert [e.verified for e in tmem.library.entries() if e.entry_id == up.entry_id] == [True]
+    tmem.library._entries.clear()                  # as a fresh reader sees it
+    assert {e.entry_id: e.verified for e in tmem.library.entries()}[up.entry_id] is True
+    assert set(tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False).sources) == {v.entry_id, up.entry_id}
     with pytest.raises(InputError):
         tmem.learn("  ", "Answer: 1", verify=None)
     with pytest.raises(InputError):
@@ -73,6 +86,9 @@ def test_verified_solve_is_learned_and_survives_reopen(store_path, tiny):
         again = mem.solve("Add 5 and 6.", max_new_tokens=6)
         assert again.stats["repeated"] or again.sources        # its own entry or, if no "Answer:", the examples
         assert mem.verify() == []
+    with kvmemory.Memory(store_path, model=tiny, read_only=True) as ro:     # a reader answers, cannot learn
+        sol = ro.solve("Add 9 and 9.", verify=lambda s: True, attempts=4, max_new_tokens=6)
+        assert sol.verified and sol.learned is None and sol.stats["learn_skipped"] == "the store is read-only"
 
 
 def test_window_first_example_exact_others_rerotated(tmem):
