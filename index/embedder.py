@@ -7,6 +7,7 @@ an error here, never silently cut (index/windows.py cuts blocks into windows tha
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -76,3 +77,16 @@ class TextEmbedder:
             v = parts.mean(0)
             out.append(v / max(float(np.linalg.norm(v)), 1e-12))
         return np.stack(out).astype(np.float32) if out else np.zeros((0, DIM), np.float32)
+
+
+_SHARED: list = []
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_embedder() -> TextEmbedder:
+    """One TextEmbedder per process for callers without a Memory at hand (the library's problem
+    index, the framework adapters' embeddings), loaded on first use."""
+    with _SHARED_LOCK:
+        if not _SHARED:
+            _SHARED.append(TextEmbedder())
+        return _SHARED[0]

@@ -248,7 +248,7 @@ class Library:
     def _vector(self, e: Entry) -> np.ndarray:
         v = self._vecs.get(e.entry_id)
         if v is None:
-            from kvmemory.integrations._common import shared_embedder
+            from kvmemory.index.embedder import shared_embedder
             v = self._vecs[e.entry_id] = shared_embedder().embed([e.problem])[0]
         return v
 
@@ -257,7 +257,7 @@ class Library:
         embeddings, exact search with FAISS), best first."""
         import faiss
 
-        from kvmemory.integrations._common import shared_embedder
+        from kvmemory.index.embedder import shared_embedder
         pool = [e for e in self.entries() if e.verified and e.entry_id not in exclude]
         if not pool or k < 1:
             return []
@@ -380,9 +380,9 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         cache = kvops.make_cache(to_model(kv, model), model.config)
         prefill = q_ids
     else:
-        ctx_ids = list(lib.prelude_ids)
+        ctx_ids = list(lib.prelude_ids)                 # the same tokens as text: nothing read from the store
         for e in chosen:
-            ctx_ids += mem.load(e.entry_id).token_ids[len(lib.prelude_ids):]
+            ctx_ids += lib.turn_ids(e.problem, e.solution)
         restored, rerotated, exact = 0, 0, 0
         cache = None
         prefill = ctx_ids + q_ids

@@ -1,6 +1,6 @@
-"""What both framework adapters share: the question of an input, an answer's passages, the
-default model as a plain chat LLM (the text baseline of the examples), and streaming a
-blocking call's text deltas as an iterator."""
+"""What both framework adapters share: the question of an input, the default model as a plain
+chat LLM (the text baseline of the examples), and streaming a blocking call's text deltas as an
+iterator."""
 
 from __future__ import annotations
 
@@ -35,19 +35,6 @@ def question_of(value) -> str:
 def doc_source(mem, doc_id: str) -> str:
     entry = mem.require_store().manifest.docs.get(doc_id)
     return entry.source if entry is not None else ""
-
-
-_EMBEDDER: list = []
-_EMBEDDER_LOCK = threading.Lock()
-
-
-def shared_embedder():
-    """The one MiniLM TextEmbedder of this process (loaded on first use)."""
-    with _EMBEDDER_LOCK:
-        if not _EMBEDDER:
-            from kvmemory.index.embedder import TextEmbedder
-            _EMBEDDER.append(TextEmbedder())
-        return _EMBEDDER[0]
 
 
 def stream_call(fn) -> Iterator[tuple[str, object]]:

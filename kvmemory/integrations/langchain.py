@@ -35,8 +35,8 @@ from langchain_core.runnables.utils import AddableDict  # noqa: E402
 from pydantic import ConfigDict, Field  # noqa: E402
 
 from kvmemory.errors import InputError  # noqa: E402
-from kvmemory.integrations._common import (chat_complete, doc_source, question_of, shared_embedder,  # noqa: E402
-                                           stream_call)
+from kvmemory.index.embedder import shared_embedder  # noqa: E402
+from kvmemory.integrations._common import chat_complete, doc_source, question_of, stream_call  # noqa: E402
 from kvmemory.memory import Memory  # noqa: E402
 
 __all__ = ["KVMemoryChatModel", "KVMemoryQA", "KVMemoryRetriever", "MiniLMEmbeddings", "to_document"]

@@ -31,8 +31,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode  # noqa
 from pydantic import ConfigDict, Field  # noqa: E402
 
 from kvmemory.errors import InputError  # noqa: E402
-from kvmemory.integrations._common import (chat_complete, doc_source, question_of, shared_embedder,  # noqa: E402
-                                           stream_call)
+from kvmemory.index.embedder import shared_embedder  # noqa: E402
+from kvmemory.integrations._common import chat_complete, doc_source, question_of, stream_call  # noqa: E402
 from kvmemory.memory import Memory  # noqa: E402
 
 __all__ = ["KVMemoryLLM", "KVMemoryQueryEngine", "KVMemoryRetriever", "MiniLMEmbedding", "to_node"]

@@ -1,6 +1,8 @@
 """A Memory on the real default model holding a few documents with facts drawn fresh each run."""
 
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +41,13 @@ def real_mem(tmp_path_factory, real_model, corpus):
         for doc_id, text in docs.items():
             mem.add(text, doc_id=doc_id, source=f"/data/{doc_id}.txt")
         yield mem
+
+
+def import_error_without(hidden: list[str], module: str) -> str:
+    """The message of the error importing `module` in a fresh interpreter where the `hidden`
+    packages cannot be imported; fails unless it is a kvmemory.MissingDependencyError."""
+    code = (f"import sys; sys.modules.update(dict.fromkeys({hidden!r}))\n"
+            f"try:\n import {module}\nexcept ImportError as e:\n"
+            " import kvmemory; assert isinstance(e, kvmemory.MissingDependencyError), type(e); print(e)\n"
+            "else:\n raise SystemExit('imported')\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -2,8 +2,6 @@
 suite, the QA runnable inside chains, the chat model and embeddings in a FAISS text-RAG chain."""
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +18,8 @@ from kvmemory.errors import InputError  # noqa: E402
 from kvmemory.integrations._common import chat_complete  # noqa: E402
 from kvmemory.integrations.langchain import (KVMemoryChatModel, KVMemoryQA, KVMemoryRetriever,  # noqa: E402
                                              MiniLMEmbeddings)
+
+from tests.integrations.conftest import import_error_without  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -147,7 +147,7 @@ def test_embeddings_in_a_faiss_vector_store(real_mem, corpus):
     import numpy as np
     from langchain_community.vectorstores import FAISS
 
-    from kvmemory.integrations._common import shared_embedder
+    from kvmemory.index.embedder import shared_embedder
     emb = MiniLMEmbeddings()
     texts = ["The ferry leaves at dawn.", "Comets have tails of dust.", "Bread is baked at night."]
     vecs = np.array(emb.embed_documents(texts))
@@ -158,9 +158,5 @@ def test_embeddings_in_a_faiss_vector_store(real_mem, corpus):
 
 
 def test_missing_extra_names_it():
-    code = ("import sys; sys.modules['langchain_core'] = None\n"
-            "try:\n import kvmemory.integrations.langchain\n"
-            "except ImportError as e:\n"
-            " import kvmemory; assert isinstance(e, kvmemory.MissingDependencyError); print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'kvmemory[langchain]'" in out and "langchain_core" in out
+    msg = import_error_without(['langchain_core'], "kvmemory.integrations.langchain")
+    assert "pip install 'kvmemory[langchain]'" in msg

@@ -3,8 +3,6 @@ RetrieverQueryEngine, the KV query engine in place of index.as_query_engine() an
 LLM and embedding in a VectorStoreIndex pipeline."""
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,8 @@ from kvmemory.errors import InputError  # noqa: E402
 from kvmemory.integrations._common import chat_complete  # noqa: E402
 from kvmemory.integrations.llama_index import (KVMemoryLLM, KVMemoryQueryEngine, KVMemoryRetriever,  # noqa: E402
                                                MiniLMEmbedding)
+
+from tests.integrations.conftest import import_error_without  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -103,9 +103,5 @@ def test_llm_and_embedding_in_a_vector_store_index(real_mem, corpus):
 
 
 def test_missing_extra_names_it():
-    code = ("import sys; sys.modules['llama_index'] = None; sys.modules['llama_index.core'] = None\n"
-            "try:\n import kvmemory.integrations.llama_index\n"
-            "except ImportError as e:\n"
-            " import kvmemory; assert isinstance(e, kvmemory.MissingDependencyError); print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'kvmemory[llamaindex]'" in out
+    msg = import_error_without(['llama_index', 'llama_index.core'], "kvmemory.integrations.llama_index")
+    assert "pip install 'kvmemory[llamaindex]'" in msg
