@@ -479,7 +479,8 @@ class Memory:
 
     @_locked
     def solve(self, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
-              temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True):
+              temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
+              reuse: bool = True):
         """Solve a problem with the k nearest verified solutions grafted as worked examples.
 
         Returns Solution(text, answer, verified, sources, stats). The first example sits at its stored
@@ -487,11 +488,12 @@ class Memory:
         prefilled. A problem already in the library restores its state up to "Answer:" and decodes
         the answer alone (stats["repeated"]). With `verify`, up to `attempts` answers are drawn (the
         first greedy, then sampled at `temperature`, seeded) until one verifies, and a verified one
-        is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline)."""
+        is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline);
+        reuse=False never answers from a stored solution of the same problem."""
         from kvmemory.library import solve
         return solve(self, self.library, problem, verify=verify, k=k, attempts=attempts,
                      max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, examples_as=examples_as,
-                     learn=learn)
+                     learn=learn, reuse=reuse)
 
     # ------------------------------------------------------------------ maintenance
     @_locked
