@@ -10,13 +10,17 @@ with the default model:
                    what verifies; after 10, 50, 200 ... stream problems, answer the evaluation
                    problems greedily with the k nearest verified solutions grafted as KV
   text few-shot    the same k examples as the last flywheel checkpoint, re-prefilled as text
-  repeated         stream problems that were learned, asked again (restored from their state)
+  seeded           a library of S program-written worked solutions (verified by the same
+                   verifiers before they enter), in a second store: the eval problems answered
+                   greedily with k of them grafted as KV, the same k as text, and best-of-N with them
+  repeated         learned problems (stream, else seeded) asked again: restored from their state,
+                   against the model alone with best-of-N on the same problems
 
 Accuracy: the answer's final line matches (kvmemory.library.answer_is), with a 95% Wilson
 interval. Decoded / prefilled tokens and TTFT per problem. JSON + PNG (the flywheel curve).
 
-    python benchmarks/bench_flywheel.py --stream 200 --eval 40 --checkpoints 10,50,200
-    python benchmarks/bench_flywheel.py --stream 30 --eval 16 --checkpoints 10,30    # ~15 min, 2 cores
+    python benchmarks/bench_flywheel.py --stream 200 --eval 40 --checkpoints 10,50,200 --seeded 200
+    python benchmarks/bench_flywheel.py --stream 40 --eval 20 --checkpoints 10,40     # ~35 min, 2 cores
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from kvmemory.library import answer_is  # noqa: E402
 
 def run(mem, problems, label: str, bar, **solve_kw) -> dict:
     rows = []
-    for fam, text, ans in problems:
+    for fam, text, ans, _ in problems:
         sol = mem.solve(text, verify=answer_is(ans), **solve_kw)
         st = sol.stats
         rows.append({"family": fam, "problem": text, "answer": ans, "got": sol.answer, "ok": bool(sol.verified),
@@ -75,7 +79,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="best-of-N attempts (base and flywheel stream)")
     ap.add_argument("--k", type=int, default=3, help="worked examples grafted")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=24, help="learned stream problems asked again")
+    ap.add_argument("--repeat", type=int, default=12, help="learned problems asked again")
+    ap.add_argument("--seeded", type=int, default=50, help="program-written worked solutions in the seeded library")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -83,7 +88,8 @@ def main() -> None:
     rng = random.Random(seed)
     checkpoints = sorted({min(int(c), args.stream) for c in args.checkpoints.split(",")})
     evals = draw(rng, args.eval)
-    stream = draw(rng, args.stream, avoid={t for _, t, _ in evals})
+    stream = draw(rng, args.stream, avoid={p[1] for p in evals})
+    seeds = draw(rng, args.seeded, avoid={p[1] for p in evals + stream})
     done = [0]
     t_start = time.perf_counter()
 
@@ -114,11 +120,25 @@ def main() -> None:
             print(f"after {c} stream problems: library {lib}, eval accuracy {ev['accuracy']:.2f}", file=sys.stderr)
         C["flywheel_stream"] = summarize(stream_rows)
         C["text_few_shot"] = run(mem, evals, "text few-shot", bar, k=args.k, reuse=False, examples_as="text", **kw)
-        learned = [r for r in stream_rows if r["learned"]][: args.repeat]
-        again = [(r["family"], r["problem"], r["answer"]) for r in learned]
-        C["repeated"] = run(mem, again, "repeated", bar, k=args.k, **kw)
+        # the seeded library: a second store on the same model
+        seeded = kvmemory.Memory(Path(tmp) / "seeded.kvm", model=(mem.model, mem.tokenizer))
+        t = time.perf_counter()
+        for _, text, ans, worked in seeds:
+            seeded.learn(text, worked, verify=answer_is(ans))
+        res["seeded_learn_s"] = time.perf_counter() - t
+        res["seeded_library"] = len(seeded.library.entries())
+        C[f"seeded_{args.seeded}"] = run(seeded, evals, "seeded", bar, k=args.k, reuse=False, **kw)
+        C[f"seeded_{args.seeded}_text"] = run(seeded, evals, "seeded text", bar, k=args.k, reuse=False,
+                                              examples_as="text", **kw)
+        C[f"seeded_{args.seeded}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
+                                                          attempts=args.n, reuse=False, **kw)
+        learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
+        again = (learned or seeds)[: args.repeat]
+        res["repeated_from"] = "stream" if learned else "seeded"
+        C["repeated"] = run(mem if learned else seeded, again, "repeated", bar, k=args.k, **kw)
         C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n, reuse=False,
                                                    **kw)
+        seeded.close()
         mem.close()
     res["elapsed_s"] = time.perf_counter() - t_start
     stamp = datetime.now().strftime("%Y-%m-%d")
@@ -159,7 +179,16 @@ def plot(res: dict, n: int, path: Path) -> None:
     for name, style in (("base_greedy", "--"), (f"base_best_of_{n}", ":")):
         a1.axhline(C[name]["accuracy"], ls=style, color="gray", label=name)
     a1.plot([xs[-1]], [C["text_few_shot"]["accuracy"]], "s", label="text few-shot (same examples)")
+    sk = [k for k in C if k.startswith("seeded_") and k.count("_") == 1]
+    if sk:
+        S = res["seeded_library"]
+        a1.errorbar([S], [C[sk[0]]["accuracy"]], yerr=[[C[sk[0]]["accuracy"] - C[sk[0]]["ci95"][0]],
+                    [C[sk[0]]["ci95"][1] - C[sk[0]]["accuracy"]]], fmt="D", color="C3",
+                    label=f"seeded library of {S} (KV)")
+        a1.plot([S], [C[sk[0] + "_text"]["accuracy"]], "x", color="C3", label="seeded, same examples as text")
+        a2.plot([S], [C[sk[0]]["decoded_mean"]], "D", color="C3", label=f"seeded library of {S}")
     a1.set_xlabel("verified solutions in the library")
+    a1.set_xscale("symlog", linthresh=10)
     a1.set_ylabel("accuracy on new problems")
     a1.set_ylim(0, 1)
     a1.legend(fontsize=7)
@@ -168,6 +197,7 @@ def plot(res: dict, n: int, path: Path) -> None:
     a2.axhline(C["repeated"]["decoded_mean"], ls="-.", color="green", label="repeated (restored)")
     a2.set_yscale("log")
     a2.set_xlabel("verified solutions in the library")
+    a2.set_xscale("symlog", linthresh=10)
     a2.set_ylabel("decoded tokens per problem")
     a2.legend(fontsize=7)
     fig.suptitle(f"kvmemory flywheel, SmolLM2-135M-Instruct, seed {res['seed']}")
