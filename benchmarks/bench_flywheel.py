@@ -13,8 +13,8 @@ with the default model:
   seeded           a library of S program-written worked solutions (verified by the same
                    verifiers before they enter), in a second store: the eval problems answered
                    greedily with k of them grafted as KV, the same k as text, and best-of-N with them
-  repeated         learned problems (stream, else seeded) asked again: restored from their state,
-                   against the model alone with best-of-N on the same problems
+  repeated         seeded problems asked again: restored from their state, against the model
+                   alone with best-of-N on the same problems (and the stream's learned ones again)
 
 Accuracy: the answer's final line matches (kvmemory.library.answer_is), with a 95% Wilson
 interval. Decoded / prefilled tokens and TTFT per problem. JSON + PNG (the flywheel curve).
@@ -138,12 +138,14 @@ def main() -> None:
                                               examples_as="text", **kw)
         C[f"seeded_{args.seeded}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
                                                           attempts=args.n, reuse=False, **kw)
-        learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
-        again = (learned or seeds)[: args.repeat]
-        res["repeated_from"] = "stream" if learned else "seeded"
-        C["repeated"] = run(mem if learned else seeded, again, "repeated", bar, k=args.k, **kw)
+        # repeated: problems the libraries hold, asked again, against the model alone on the same problems
+        again = seeds[: args.repeat]
+        C["repeated"] = run(seeded, again, "repeated", bar, k=args.k, **kw)
         C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n, reuse=False,
                                                    **kw)
+        learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
+        if learned:
+            C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
         seeded.close()
         mem.close()
     res["elapsed_s"] = time.perf_counter() - t_start

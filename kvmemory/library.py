@@ -219,6 +219,11 @@ class Library:
             if not isinstance(v, str) or not v.strip():
                 raise InputError(f"the {name} must be non-empty text")
         fn, vname = resolve_verifier(verify)
+        answer = extract_answer(solution)
+        if ANSWER_MARK not in solution and answer is not None:
+            # the stored form always ends with its answer line: a repeated problem is answered by
+            # restoring the state up to it, and worked examples show the format
+            solution = f"{solution.rstrip()}\n{ANSWER_MARK} {answer}"
         verified = False
         if fn is not None:
             if not run_verifier(fn, solution):

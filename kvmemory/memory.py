@@ -474,7 +474,8 @@ class Memory:
         or "answer:X": its final answer must be X) and stores it only if it passes, as a state
         (library prelude + problem + solution) indexed by its problem text. Returns the Entry.
         A failing solution raises VerificationError and stores nothing; verify=None (explicit)
-        stores it marked unverified, and solve() never grafts unverified entries."""
+        stores it marked unverified, and solve() never grafts unverified entries. A solution without
+        an "Answer:" line is stored with one appended (its extracted final answer)."""
         return self.library.learn(problem, solution, verify)
 
     @_locked

@@ -52,6 +52,9 @@ def test_rejected_never_enters_unverified_never_grafted(tmem):
     assert not u.verified and u.answer == "6"
     sol = tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False)
     assert u.entry_id not in sol.sources and not sol.stats["repeated"] and sol.stats["examples"] == 0
+    w = tmem.learn("What is 3 + 4?", "three plus four is 7", verify="answer:7")       # answer line added
+    assert w.solution == "three plus four is 7\nAnswer: 7" and w.answer == "7"
+    assert tmem.solve("What is 3 + 4?", max_new_tokens=4, learn=False).stats["repeated"]
     v = tmem.learn("What is 2 + 2?", "2 + 2 = 4.\nAnswer: 4", verify="answer:4")
     assert v.verified and v.entry_id in {s.id for s in tmem.states()}
     assert tmem.learn("What is 2 + 2?", "2 + 2 = 4.\nAnswer: 4", verify="answer:4") == v     # learned once
@@ -64,7 +67,8 @@ def test_rejected_never_enters_unverified_never_grafted(tmem):
     assert [e.verified for e in tmem.library.entries() if e.entry_id == up.entry_id] == [True]
     tmem.library._entries.clear()                  # as a fresh reader sees it
     assert {e.entry_id: e.verified for e in tmem.library.entries()}[up.entry_id] is True
-    assert set(tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False).sources) == {v.entry_id, up.entry_id}
+    assert set(tmem.solve("What is 3 + 3?", max_new_tokens=4, learn=False).sources) == {v.entry_id, up.entry_id,
+                                                                                        w.entry_id}
     with pytest.raises(InputError):
         tmem.learn("  ", "Answer: 1", verify=None)
     with pytest.raises(InputError):
