@@ -360,11 +360,15 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
             new = greedy(model, cache, logits, 24, mem.eos_ids, on_token=line_done)
             head = mem.tokenizer.decode(st.token_ids[P_turn:cut], skip_special_tokens=True)
             tail = mem.tokenizer.decode(new, skip_special_tokens=True).split("\n")[0]
-            text = (head + tail).strip()
+            text, source = (head + tail).strip(), "decoded"
+            if normalize_answer(extract_answer(text)) != normalize_answer(hit.answer):
+                # the model, continuing its own verified solution, wrote another answer: the
+                # library's verified one stands (stats say so)
+                text, source = hit.solution, "library"
             ok = run_verifier(fn, text) if fn is not None else None
             if ok is not False:
                 return Solution(text, extract_answer(text), ok, [hit.entry_id], {
-                    "repeated": True, "tokens_restored": cut - 1, "tokens_prefilled": 1,
+                    "repeated": True, "answer_from": source, "tokens_restored": cut - 1, "tokens_prefilled": 1,
                     "tokens_decoded": len(new), "tokens_exact": cut - 1, "attempts": 1, "examples": 1,
                     "verifier": vname, "timings_s": {"ttft": ttft, "total": time.perf_counter() - t0}},
                     first_logits=logits.float().cpu())

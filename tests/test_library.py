@@ -142,7 +142,7 @@ def test_repeated_problem_restores_its_exact_state_and_answers(tmp_path, real_mo
         e = mem.learn(p, "Each crate holds 14 jars, so 6 crates hold 14 * 6 = 84 jars.\nAnswer: 84",
                       verify="answer:84")
         sol = mem.solve(p, verify="answer:84")
-        assert sol.stats["repeated"] and sol.answer == "84" and sol.verified
+        assert sol.stats["repeated"] and sol.answer == "84" and sol.verified and sol.stats["answer_from"] == "decoded"
         assert sol.stats["tokens_decoded"] <= 6 and sol.stats["tokens_prefilled"] == 1
         # the restored prefix is the stored state's bytes, and the answer's first logits equal a clean
         # computation in the same order (the state prefilled block by block, cut before its last
