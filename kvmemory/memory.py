@@ -488,9 +488,9 @@ class Memory:
         positions (its exact state); the others are re-rotated to follow it; only the problem is
         prefilled. A problem already in the library restores its state up to "Answer:" and decodes
         the answer alone (stats["repeated"]); should that answer differ from the stored verified
-        one, the stored solution is returned (stats["answer_from"] == "library"). With `verify`, up to `attempts` answers are drawn (the
-        first greedy, then sampled at `temperature`, seeded) until one verifies, and a verified one
-        is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline);
+        one, the stored solution is returned (stats["answer_from"] == "library"). With `verify`, up
+        to `attempts` answers are drawn (the first greedy, then sampled at `temperature`, seeded)
+        until one verifies, and a verified one is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline);
         reuse=False never answers from a stored solution of the same problem."""
         from kvmemory.library import solve
         return solve(self, self.library, problem, verify=verify, k=k, attempts=attempts,
