@@ -10,13 +10,14 @@ Heavy dependencies (torch, transformers, zarr) load on first use of Memory.
 """
 
 from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError, MissingDependencyError,
-                             ModelLoadError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError, StoreLockedError,
+                             ModelLoadError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError, StoreExistsError,
+                             StoreLockedError,
                              StoreReadOnlyError, VerificationError, WindowExceededError)
 
 __version__ = "0.1.0"
 
 __all__ = ["DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError", "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
-           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreLockedError", "StoreReadOnlyError",
+           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreLockedError", "StoreReadOnlyError",
            "VerificationError", "WindowExceededError", "__version__"]
 
 

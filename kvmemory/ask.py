@@ -171,7 +171,9 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         "blocks": len(window.slots), "blocks_selected": sum(s.candidate.selected for s in window.slots),
         "exact_slots": window.exact_slots, "rerotated_slots": len(window.slots) - window.exact_slots,
         "bytes_read": {"disk": fetch.disk_bytes, "host": fetch.host_bytes},
-        "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk},
+        "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk,
+                        **({"disk_cache": fetch.from_disk_cache, "object_store": fetch.from_object_store}
+                           if mem.store.remote else {})},
         "tiers": fetch.tiers,
         "ranking": [{"row": h.row, "score": h.score, "ranks": h.ranks} for h in ranked],
         "timings_s": {"select": select_s, "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,

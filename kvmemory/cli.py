@@ -11,8 +11,11 @@ from kvmemory.config import ASK_MIN_RELEVANCE as MIN_RELEVANCE, ASK_RECOMPUTE as
 from kvmemory.errors import KVMemoryError
 from kvmemory.index import SELECTORS
 
-EPILOG = ("Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
-          "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget).")
+EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible service (AWS_ENDPOINT_URL, "
+          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP=true for plain HTTP). "
+          "Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
+          "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget), KVMEMORY_STORE_CACHE_DIR and "
+          "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store).")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("save", "compute a prompt's KV state and store it; prints the state id",
              "Tokenize FILE (UTF-8 text, or - for standard input), compute its KV state block by block "
              "(reusing blocks the store already has) and commit it. Prints the state id.")
-    sp.add_argument("store", metavar="STORE", help="store directory (created if missing)")
+    sp.add_argument("store", metavar="STORE", help="store directory or s3://bucket/prefix (created if missing)")
     sp.add_argument("file", metavar="FILE", help="UTF-8 text file, or - for standard input")
     sp.add_argument("--label", default="", help="a name to show in `info --states`")
     sp.add_argument("--chat-system", action="store_true",
@@ -151,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
              "problem) only if its final line 'Answer: X' matches \"answer\"; one that does not is reported and "
              "skipped. Lines without \"answer\" are refused unless --unverified (stored, never grafted by "
              "solve). Every line is checked before anything is stored.")
-    sp.add_argument("store", metavar="STORE", help="store directory (created if missing)")
+    sp.add_argument("store", metavar="STORE", help="store directory or s3://bucket/prefix (created if missing)")
     sp.add_argument("file", metavar="FILE", help="JSON lines file, or - for standard input")
     sp.add_argument("--unverified", action="store_true", help="store lines without an answer, marked unverified")
     model_arg(sp)
@@ -209,7 +212,11 @@ def _open(args, read_only=False, create=False):
     from kvmemory.manifest import MANIFEST_NAME
     from kvmemory.memory import Memory
 
-    if not create and not (Path(args.store) / MANIFEST_NAME).is_file():
+    from kvmemory.store.objects import is_url, open_files
+
+    there = open_files(args.store).exists(MANIFEST_NAME) if is_url(args.store) else \
+        (Path(args.store) / MANIFEST_NAME).is_file()
+    if not create and not there:
         raise KVMemoryError(f"no kvmemory store at {args.store} (no {MANIFEST_NAME}); check the path, or create "
                             "one with kvmemory save or kvmemory add")
     return Memory(args.store, model=getattr(args, "model", None), read_only=read_only)

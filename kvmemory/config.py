@@ -45,17 +45,19 @@ class RuntimeConfig:
     cache_dir: where converted model weights are cached (default: the user cache directory).
     host_cache_bytes: byte budget of the pager's host-RAM tier (LRU of recently used blocks).
     gpu_cache_bytes: byte budget of the GPU block pool tier (used only when CUDA is present).
+    store_cache_bytes: byte budget of the local-disk tier of a store on an object store.
     """
 
     lock_timeout_s: float = 30.0
     cache_dir: Path | None = None
     host_cache_bytes: int = 2 << 30
     gpu_cache_bytes: int = 4 << 30
+    store_cache_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if self.lock_timeout_s < 0:
             raise InputError(f"lock_timeout_s must be >= 0, got {self.lock_timeout_s}")
-        if self.host_cache_bytes < 0 or self.gpu_cache_bytes < 0:
+        if self.host_cache_bytes < 0 or self.gpu_cache_bytes < 0 or self.store_cache_bytes < 0:
             raise InputError("cache byte budgets must be >= 0")
 
     def resolved_cache_dir(self) -> Path:
@@ -74,6 +76,7 @@ _ENV = {
     "KVMEMORY_CACHE_DIR": ("cache_dir", Path),
     "KVMEMORY_HOST_CACHE_BYTES": ("host_cache_bytes", int),
     "KVMEMORY_GPU_CACHE_BYTES": ("gpu_cache_bytes", int),
+    "KVMEMORY_STORE_CACHE_BYTES": ("store_cache_bytes", int),
 }
 
 

@@ -414,7 +414,10 @@ def decode_text(text, source: str = "") -> str:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(f"{what} is not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start})") from None
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text (str) or UTF-8 bytes, got {type(text).__name__}"
+                         " (files go through add_files)")
+    if not text.strip():
         raise InputError(f"{what} is empty")
     if "\x00" in text:
         raise InputError(f"{what} contains NUL bytes: it looks binary, not text")

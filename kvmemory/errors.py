@@ -36,6 +36,11 @@ class StoreCorruptError(StoreError):
     """Bytes read back do not match their digest, or a chunk/manifest cannot be decoded."""
 
 
+class StoreExistsError(StoreError, FileExistsError):
+    """A write-once name (a commit record, a claim, a library entry) is already taken: another
+    writer got there first. Nothing was overwritten."""
+
+
 class StoreReadOnlyError(StoreError):
     """A write was attempted on a store opened read-only."""
 

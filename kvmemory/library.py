@@ -8,7 +8,7 @@ contexts as worked examples (Memory.learn / Memory.solve).
             grafted into a window: the prelude and the first example at their stored positions
             (exact: the bytes of its state), the next examples re-rotated to follow it (as ask
             does with blocks); only the new problem is prefilled. A problem already in the
-            library restores its state up to "Answer:" and decodes just the answer.
+            library restores its verified state through its answer and decodes one token (end of turn).
 
 Entries live in STORE/library/ as write-once JSON files, <state id>.verified.json or
 <state id>.unverified.json, written after the state's commit (a crash in between leaves an
@@ -24,17 +24,17 @@ import time
 import unicodedata
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvmemory.errors import (InputError, StoreCorruptError, StoreError, VerificationError,
+from kvmemory.errors import (InputError, StoreCorruptError, StoreExistsError, VerificationError,
                              WindowExceededError)
 
 SYSTEM = ("You solve problems step by step. Show the steps briefly, then give the final answer on its own "
           "line as 'Answer: <answer>'.")
 ANSWER_MARK = "Answer:"
+LIBRARY_DIR = "library"
 FORMAT_VERSION = 1
 
 
@@ -153,7 +153,7 @@ class Library:
 
     def __init__(self, mem) -> None:
         self.mem = mem
-        self.dir = Path(mem.path) / "library"
+        self.dir = LIBRARY_DIR                        # under the store: a directory or an object-store prefix
         self._entries: dict[str, Entry] = {}
         self._vecs: dict[str, np.ndarray] = {}
         self._index: tuple | None = None             # (entry ids, faiss index) of the last verified pool
@@ -186,17 +186,19 @@ class Library:
         """Read entries written since the last refresh (by this or another process). An entry's
         file is <state id>.verified.json or <state id>.unverified.json, each written once; where
         both exist (learned unverified, later verified) the verified one counts."""
-        if not self.dir.is_dir():
-            return
-        for p in sorted(self.dir.glob("*.json")):
-            sid, _, kind = p.name.removesuffix(".json").partition(".")
+        files = self.mem.require_store().files
+        for name in files.list(self.dir):
+            if not name.endswith(".json"):
+                continue
+            sid, _, kind = name.removesuffix(".json").partition(".")
             if kind not in ("verified", "unverified"):
                 continue
             have = self._entries.get(sid)
             if have is not None and (have.verified or kind == "unverified"):
                 continue
+            p = f"{files.describe()}/{self.dir}/{name}"
             try:
-                e = Entry(**json.loads(p.read_bytes()))
+                e = Entry(**json.loads(files.read(f"{self.dir}/{name}")))
             except (ValueError, TypeError) as exc:
                 raise StoreCorruptError(f"library entry {p} cannot be read: {exc}") from None
             if e.entry_id != sid or e.verified != (kind == "verified"):
@@ -214,7 +216,6 @@ class Library:
         return hits[-1] if hits else None
 
     def learn(self, problem: str, solution: str, verify=None) -> Entry:
-        from kvmemory.manifest import write_new_file
         for name, v in (("problem", problem), ("solution", solution)):
             if not isinstance(v, str) or not v.strip():
                 raise InputError(f"the {name} must be non-empty text")
@@ -237,13 +238,10 @@ class Library:
             if old.verified or not verified:
                 return old
         e = Entry(st.id, problem, solution, extract_answer(solution), verified, vname, len(ids), time.time())
-        self.dir.mkdir(exist_ok=True)
-        path = self.dir / f"{st.id}.{'verified' if verified else 'unverified'}.json"
+        key = f"{self.dir}/{st.id}.{'verified' if verified else 'unverified'}.json"
         try:
-            write_new_file(path, json.dumps(asdict(e), sort_keys=True).encode())
-        except StoreError:
-            if not path.exists():                        # not a concurrent learn of the same entry
-                raise
+            self.mem.require_store().files.create(key, json.dumps(asdict(e), sort_keys=True).encode())
+        except StoreExistsError:                         # a concurrent learn of the same entry
             self.refresh()
             return self._entries[st.id]
         self._entries[e.entry_id] = e
@@ -313,14 +311,6 @@ def _sampler(temperature: float, seed: int):
     return pick
 
 
-def _last_run(ids: list[int], run: list[int]) -> int:
-    """End index of the last occurrence of `run` in ids, or -1."""
-    for i in range(len(ids) - len(run), -1, -1):
-        if ids[i:i + len(run)] == run:
-            return i + len(run)
-    return -1
-
-
 @torch.inference_mode()
 def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
           temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
@@ -342,35 +332,29 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     t0 = time.perf_counter()
     model = mem.model
 
-    # ---- a problem already solved: restore its state up to "Answer:", decode only the answer
+    # ---- a problem already solved: restore its verified state through the answer line, feed its
+    # last token, decode one token (the model, at the end of its own verified solution, should end
+    # the turn). The answer is the stored verified one: nothing is recomputed.
     hit = lib.find(problem) if reuse else None
     if hit is not None:
         st = mem.load(hit.entry_id)
-        mark = mem.tokenize(ANSWER_MARK)
         P_turn = len(lib.prelude_ids) + len(lib.turn_ids(hit.problem, None))
-        cut = _last_run(st.token_ids, mark)
+        ends = [i for i in range(P_turn, st.n_tokens) if st.token_ids[i] in mem.eos_ids]
+        cut = (ends[0] if ends else st.n_tokens) - 1           # the last token of the solution
         if cut > P_turn:
-            cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut - 1].contiguous(), model), model.config)
-            logits = model(input_ids=ids_tensor(st.token_ids[cut - 1:cut], model), past_key_values=cache,
+            cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut].contiguous(), model), model.config)
+            logits = model(input_ids=ids_tensor(st.token_ids[cut:cut + 1], model), past_key_values=cache,
                            use_cache=True).logits[0, -1]
             ttft = time.perf_counter() - t0
-
-            def line_done(new: list[int]) -> bool:
-                return "\n" in mem.tokenizer.decode(new, skip_special_tokens=True).strip(" ")
-            new = greedy(model, cache, logits, 24, mem.eos_ids, on_token=line_done)
-            head = mem.tokenizer.decode(st.token_ids[P_turn:cut], skip_special_tokens=True)
-            tail = mem.tokenizer.decode(new, skip_special_tokens=True).split("\n")[0]
-            text, source = (head + tail).strip(), "decoded"
-            if normalize_answer(extract_answer(text)) != normalize_answer(hit.answer):
-                # the model, continuing its own verified solution, wrote another answer: the
-                # library's verified one stands (stats say so)
-                text, source = hit.solution, "library"
+            nxt = int(logits.argmax())
+            text = hit.solution
             ok = run_verifier(fn, text) if fn is not None else None
             if ok is not False:
-                return Solution(text, extract_answer(text), ok, [hit.entry_id], {
-                    "repeated": True, "answer_from": source, "tokens_restored": cut - 1, "tokens_prefilled": 1,
-                    "tokens_decoded": len(new), "tokens_exact": cut - 1, "attempts": 1, "examples": 1,
-                    "verifier": vname, "timings_s": {"ttft": ttft, "total": time.perf_counter() - t0}},
+                return Solution(text, extract_answer(text), ok if fn is not None else hit.verified, [hit.entry_id], {
+                    "repeated": True, "answer_from": "library", "model_ends_turn": nxt in mem.eos_ids,
+                    "tokens_restored": cut, "tokens_prefilled": 1, "tokens_decoded": 1, "tokens_exact": cut,
+                    "attempts": 1, "examples": 1, "verifier": vname,
+                    "timings_s": {"ttft": ttft, "total": time.perf_counter() - t0}},
                     first_logits=logits.float().cpu())
 
     # ---- worked examples: the k nearest verified solutions, best last (nearest the problem)

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvmemory.errors import StoreCorruptError, StoreError
+from kvmemory.errors import StoreCorruptError, StoreError, StoreExistsError
 
 FORMAT = "kvmemory-store"
 FORMAT_VERSION = 2
@@ -190,10 +190,17 @@ class Manifest:
             raise StoreCorruptError(f"{where}: expected commit {self.commit + 1}, found {rec.commit}")
         n_before = self.n_blocks
         if rec.n_new:
-            if rec.start < self.rows_end or rec.start % self.shard_blocks:
-                raise StoreCorruptError(f"{where}: blocks start at row {rec.start}, before the end of the "
-                                        f"last commit ({self.rows_end}) or off a shard boundary")
-            self.ranges.append((rec.start, rec.ids, rec.time))
+            # a commit's rows start on a shard boundary and overlap no other commit's. On a local
+            # store they follow the last commit; on an object store two committers claim shards
+            # first and may land their records in either order (ranges stay sorted by start).
+            i = bisect.bisect_right(self.ranges, rec.start, key=lambda r: r[0])
+            end = rec.start + rec.n_new
+            prev_end = self._rows(*self.ranges[i - 1][:2]).stop if i else 0
+            next_start = self.ranges[i][0] if i < len(self.ranges) else None
+            if rec.start % self.shard_blocks or rec.start < prev_end or (next_start is not None and end > next_start):
+                raise StoreCorruptError(f"{where}: blocks at rows {rec.start}..{end - 1} overlap an earlier "
+                                        f"commit's rows or start off a shard boundary")
+            self.ranges.insert(i, (rec.start, rec.ids, rec.time))
         self.stored_tokens += rec.tokens - rec.freed_tokens
         self._n_blocks = n_before + rec.n_new - len(set(rec.freed) - self.freed)
         self.freed.update(rec.freed)
@@ -255,45 +262,66 @@ class Manifest:
 
 
 # ---------------------------------------------------------------------- files
+# `root` below is a store directory (Path) or a kvmemory.store.objects files object (a local
+# directory or an object-store prefix): the log is the same names either way.
+def _files(root):
+    if hasattr(root, "create") and hasattr(root, "list"):
+        return root
+    from kvmemory.store.objects import LocalFiles
+
+    return LocalFiles(Path(root))
+
+
+def record_key(commit: int) -> str:
+    return f"{LOG_DIR}/{commit:08d}.json"
+
+
+def snapshot_key(commit: int) -> str:
+    return f"{LOG_DIR}/snapshot-{commit:08d}.json"
+
+
 def record_path(root: Path, commit: int) -> Path:
-    return root / LOG_DIR / f"{commit:08d}.json"
+    return Path(root) / record_key(commit)
 
 
 def snapshot_path(root: Path, commit: int) -> Path:
-    return root / LOG_DIR / f"snapshot-{commit:08d}.json"
+    return Path(root) / snapshot_key(commit)
 
 
-def _read_text(path: Path) -> str:
+def _read_text(files, key: str) -> str:
+    """A log file's text; FileNotFoundError if absent, StoreCorruptError if not UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
+        return files.read(key).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise StoreCorruptError(f"{path} is not UTF-8: {e}") from None
+        raise StoreCorruptError(f"{files.describe()}/{key} is not UTF-8: {e}") from None
 
 
-def read_manifest(root: Path) -> Manifest:
+def read_manifest(root) -> Manifest:
     """The store's view at its newest commit: the header, the newest snapshot, the records after it."""
-    root = Path(root)
-    m = Manifest.from_header(_read_text(root / MANIFEST_NAME), where=str(root / MANIFEST_NAME))
-    log = root / LOG_DIR
-    snaps = sorted(int(x.group(1)) for x in map(_SNAPSHOT.match, os.listdir(log)) if x) if log.is_dir() else []
+    f = _files(root)
+    where = f"{f.describe()}/{MANIFEST_NAME}"
+    m = Manifest.from_header(_read_text(f, MANIFEST_NAME), where=where)
+    snaps = sorted(int(x.group(1)) for x in map(_SNAPSHOT.match, f.list(LOG_DIR)) if x)
     if snaps:
-        p = snapshot_path(root, snaps[-1])
-        m.load_snapshot(_read_text(p), str(p))
-    read_new_records(root, m)
+        key = snapshot_key(snaps[-1])
+        m.load_snapshot(_read_text(f, key), f"{f.describe()}/{key}")
+    read_new_records(f, m)
     return m
 
 
-def read_new_records(root: Path, m: Manifest) -> list[CommitRecord]:
-    """Apply the records after m.commit (in place) and return them. One stat when nothing changed."""
+def read_new_records(root, m: Manifest) -> list[CommitRecord]:
+    """Apply the records after m.commit (in place) and return them. One read when nothing changed."""
+    f = _files(root)
     applied = []
     while True:
-        p = record_path(root, m.commit + 1)
+        key = record_key(m.commit + 1)
         try:
-            text = _read_text(p)
+            text = _read_text(f, key)
         except FileNotFoundError:
             return applied
-        rec = CommitRecord.from_json(text, str(p))
-        m.apply(rec, str(p))
+        where = f"{f.describe()}/{key}"
+        rec = CommitRecord.from_json(text, where)
+        m.apply(rec, where)
         applied.append(rec)
 
 
@@ -316,7 +344,7 @@ def write_new_file(path: Path, data: bytes) -> None:
         os.link(tmp, path)           # never over an existing file: EEXIST instead
         fsync_dir(path.parent)
     except FileExistsError:
-        raise StoreError(f"cannot write {path}: it already exists (two writers without a working lock?)") from None
+        raise StoreExistsError(f"cannot write {path}: it already exists") from None
     except OSError as e:
         why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
         raise StoreError(f"cannot write {path}: {why}") from None
@@ -327,17 +355,18 @@ def write_new_file(path: Path, data: bytes) -> None:
             pass
 
 
-def write_header(root: Path, m: Manifest) -> None:
-    write_new_file(root / MANIFEST_NAME, m.header_json().encode("utf-8"))
+def write_header(root, m: Manifest) -> None:
+    _files(root).create(MANIFEST_NAME, m.header_json().encode("utf-8"))
 
 
-def write_record(root: Path, rec: CommitRecord) -> None:
-    (root / LOG_DIR).mkdir(exist_ok=True)
-    write_new_file(record_path(root, rec.commit), rec.to_json().encode("utf-8"))
+def write_record(root, rec: CommitRecord) -> None:
+    """The commit point: create-only, so of two writers racing for one commit number exactly one
+    lands (StoreExistsError for the other)."""
+    _files(root).create(record_key(rec.commit), rec.to_json().encode("utf-8"))
 
 
-def write_snapshot(root: Path, m: Manifest) -> None:
-    write_new_file(snapshot_path(root, m.commit), m.snapshot_json().encode("utf-8"))
+def write_snapshot(root, m: Manifest) -> None:
+    _files(root).create(snapshot_key(m.commit), m.snapshot_json().encode("utf-8"))
 
 
 def fsync_path(path: Path) -> None:

@@ -20,6 +20,8 @@ from kvmemory.errors import (InputError, ModelMismatchError, StateNotFoundError,
 from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry
 from kvmemory.model import fingerprint, geometry, load_model
 from kvmemory.store import BlockStore
+from kvmemory.store.objects import is_url, open_files
+from kvmemory.store.zarr_store import default_work_dir
 from kvmemory.store.info import describe
 
 
@@ -82,34 +84,59 @@ class Memory:
 
     segment_blocks: blocks per deposit segment for add() (default 4: 1,024 tokens).
 
+    `path` may be an object-store location, "s3://bucket/prefix": the store lives there (any
+    S3-compatible service; endpoint, credentials and region from the AWS_* environment
+    variables or `storage_options`), with the same digest checks and atomic commits; a local
+    working directory (`work_dir`, default under the user cache directory) holds its disk
+    cache tier (a byte budget: `store_cache_bytes`, env KVMEMORY_STORE_CACHE_BYTES) and the
+    derived selection indexes.
+
     A Memory may be shared between threads: its operations run one at a time (the model and the
     store's caches are not reentrant); other processes may read and write the same store.
     """
 
     def __init__(self, path, model=None, *, tokenizer=None, store_config: StoreConfig | None = None,
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
-                 dtype: torch.dtype | None = None, segment_blocks: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, segment_blocks: int | None = None,
+                 storage_options: dict | None = None, work_dir=None, store_cache_bytes: int | None = None) -> None:
         if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
         self._lock = threading.RLock()
-        self.path = Path(path)
-        self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir)
-        exists = _check_path(self.path, read_only)
-        if exists and not read_only and not os.access(self.path, os.W_OK):
-            read_only = True
+        self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
+                                store_cache_bytes=store_cache_bytes)
+        files = None
+        if is_url(path):
+            files = open_files(path, storage_options)       # typed errors for a bad URL, before the model loads
+            self.location = files.describe()
+            self.path = Path(work_dir) if work_dir is not None else default_work_dir(self.location)
+            self.path.mkdir(parents=True, exist_ok=True)
+            exists = files.exists(MANIFEST_NAME)
+            if not exists and read_only:
+                raise StoreError(f"no kvmemory store at {self.location} (no {MANIFEST_NAME})")
+        else:
+            if storage_options is not None or work_dir is not None:
+                raise InputError("storage_options and work_dir apply only to an s3:// store")
+            self.path = Path(path)
+            self.location = str(self.path)
+            exists = _check_path(self.path, read_only)
+            if exists and not read_only and not os.access(self.path, os.W_OK):
+                read_only = True
         self.model, self.tokenizer, self.model_name = load_model(
             model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(), dtype=dtype)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
         if exists:
-            self.store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s)
+            self.store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
+                                    files=files, cache_bytes=self.runtime.store_cache_bytes)
             if self.store.manifest.fingerprint != self.fingerprint:
-                raise ModelMismatchError(self.store.manifest.fingerprint, self.fingerprint, str(self.path))
+                raise ModelMismatchError(self.store.manifest.fingerprint, self.fingerprint, self.location)
         else:
             cfg = store_config or from_env(StoreConfig)
             g = self.geometry
-            self.store = BlockStore.create(self.path, Manifest(
+            create = BlockStore.create if files is None else functools.partial(
+                BlockStore.create_remote, files, cache_bytes=self.runtime.store_cache_bytes)
+            self.store = create(self.path, Manifest(
                 fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
                 codec=cfg.codec, kv_dtype=g.dtype,
                 model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
@@ -290,7 +317,7 @@ class Memory:
     def require_store(self) -> BlockStore:
         """The open BlockStore; StoreError once this Memory is closed."""
         if self.store is None:
-            raise StoreError(f"memory {self.path} is closed")
+            raise StoreError(f"memory {self.location} is closed")
         return self.store
 
     # ------------------------------------------------------------------ input
@@ -388,7 +415,7 @@ class Memory:
                 return hits[0]
             if len(hits) > 1:
                 raise InputError(f"state id prefix {state_id} is ambiguous: {len(hits)} states match")
-        raise StateNotFoundError(f"no state {state_id} in store {self.path}")
+        raise StateNotFoundError(f"no state {state_id} in store {self.location}")
 
     @_locked
     def load(self, state_id: str) -> State:
@@ -404,7 +431,7 @@ class Memory:
         # the chain's ids are hashes of its tokens: a damaged token array cannot pass this
         expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens)
         if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
-            raise StoreCorruptError(f"store {self.path}: state {sid}'s block ids do not match its tokens")
+            raise StoreCorruptError(f"store {self.location}: state {sid}'s block ids do not match its tokens")
         return State(sid, ids, self._read_chain(rows), self.model.config, entry.label, self.model.device)
 
     @_locked

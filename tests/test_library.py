@@ -142,13 +142,18 @@ def test_repeated_problem_restores_its_exact_state_and_answers(tmp_path, real_mo
         e = mem.learn(p, "Each crate holds 14 jars, so 6 crates hold 14 * 6 = 84 jars.\nAnswer: 84",
                       verify="answer:84")
         sol = mem.solve(p, verify="answer:84")
-        assert sol.stats["repeated"] and sol.answer == "84" and sol.verified and sol.stats["answer_from"] == "decoded"
-        assert sol.stats["tokens_decoded"] <= 6 and sol.stats["tokens_prefilled"] == 1
+        assert sol.stats["repeated"] and sol.answer == "84" and sol.verified and sol.stats["answer_from"] == "library"
+        assert sol.stats["tokens_decoded"] == 1 and sol.stats["tokens_prefilled"] == 1
+        # the model, restored at the end of its verified solution, ends the turn there
+        assert sol.stats["model_ends_turn"] is True
         # the restored prefix is the stored state's bytes, and the answer's first logits equal a clean
         # computation in the same order (the state prefilled block by block, cut before its last
-        # "Answer:" token, that token fed alone): zero difference
+        # token, that token fed alone): zero difference
         st = mem.load(e.entry_id)
         cut = sol.stats["tokens_restored"]
+        # restored: everything before the answer's last token; the token after it ends the turn
+        assert st.token_ids[cut + 1] in mem.eos_ids
+        assert mem.tokenizer.decode(st.token_ids[:cut + 1]).endswith("Answer: 84")
         with torch.inference_mode():
             cache = kvops.make_cache(None, mem.model.config)
             for _ in kvops.prefill_blocks(mem.model, st.token_ids, mem.block_tokens, cache):

@@ -1,6 +1,7 @@
 """Pager: brings selected blocks to where attention runs, through the tiers.
 
     GPU block pool (when CUDA is present)  <-  host RAM (LRU)  <-  the store on disk (the truth)
+    ... <- host RAM <- local disk cache (LRU, byte budget) <- object store (the truth), for a store on S3
 
 `fetch(rows)` returns a pool tensor [k, L, 2, H, C, D] on the target device holding the rows
 in the order asked, and what came from where. Misses are read from disk together, in one
@@ -24,7 +25,9 @@ class FetchStats:
     blocks: int = 0
     from_gpu: int = 0
     from_host: int = 0
-    from_disk: int = 0
+    from_disk: int = 0             # read from the store (a local store; or the next two summed)
+    from_disk_cache: int = 0       # store on an object store: blocks whose shard was on local disk
+    from_object_store: int = 0     # store on an object store: blocks whose shard was fetched
     disk_bytes: int = 0
     host_bytes: int = 0
     disk_s: float = 0.0
@@ -66,8 +69,13 @@ class Pager:
         misses = [r for r in need if r not in host_hits]
         if misses:
             t = time.perf_counter()
+            cache = self.store.cache
+            before = (cache.stats.hits, cache.stats.misses) if cache is not None else None
             blocks, _ = self.store.read_kv(misses)       # one concurrent, verified read
             st.disk_s = time.perf_counter() - t
+            if cache is not None:
+                st.from_disk_cache = cache.stats.hits - before[0]
+                st.from_object_store = cache.stats.misses - before[1]
             st.from_disk = len(misses)
             st.disk_bytes = blocks.nbytes
             for i, r in enumerate(misses):
@@ -86,4 +94,8 @@ class Pager:
         pool = torch.stack([got[r] for r in rows]) if rows else torch.empty(0)
         st.tiers = {t.name: vars(t.stats) | {"hit_rate": t.stats.hit_rate, "used_bytes": t.used_bytes}
                     for t in (self.host, self.gpu) if t is not None}
+        if self.store.cache is not None:
+            c = self.store.cache
+            st.tiers["disk_cache"] = vars(c.stats) | {"hit_rate": c.stats.hit_rate, "used_bytes": c.used_bytes,
+                                                      "budget_bytes": c.budget_bytes}
         return pool, st

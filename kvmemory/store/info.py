@@ -12,7 +12,7 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
     per_token = m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * _ITEMSIZE[m.kv_dtype]
     tokens = m.stored_tokens
     disk = store.disk_bytes()
-    out = {"path": str(store.root), "model": m.model["name"], "fingerprint": m.fingerprint,
+    out = {"path": store.name, "model": m.model["name"], "fingerprint": m.fingerprint,
            "states": len(m.states), "documents": len(m.docs), "blocks": m.n_blocks, "block_tokens": m.block_tokens,
            "codec": m.codec, "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
            "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
@@ -23,5 +23,5 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
     return out
 
 
-def store_info(path, with_states: bool = False) -> dict:
-    return describe(BlockStore.open(path), with_states)
+def store_info(path, with_states: bool = False, storage_options: dict | None = None) -> dict:
+    return describe(BlockStore.open(path, storage_options=storage_options), with_states)

@@ -38,7 +38,12 @@ class Layout:
 def shard_layout(array_dir: Path) -> Layout | None:
     """The shard layout of array_dir if it is kvmemory's (sharding_indexed, one block per inner chunk,
     index of (offset, nbytes) pairs + crc32c at the end); None otherwise."""
-    meta = json.loads((array_dir / "zarr.json").read_text())
+    return layout_of((array_dir / "zarr.json").read_text())
+
+
+def layout_of(zarr_json: str) -> Layout | None:
+    """shard_layout from the text of an array's zarr.json."""
+    meta = json.loads(zarr_json)
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
         return None

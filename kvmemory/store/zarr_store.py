@@ -25,9 +25,13 @@ opening a store reads the header and the log only.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
+import json
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,12 +45,14 @@ import zarr.codecs
 from zarr.storage import LocalStore
 
 from kvmemory import hashing
-from kvmemory.errors import StoreCorruptError, StoreError, StoreReadOnlyError
+from kvmemory.errors import StoreCorruptError, StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError
 from kvmemory.manifest import (LOG_DIR, MANIFEST_NAME, SNAPSHOT_EVERY, TEMP_SUFFIX, CommitRecord, DocEntry, Manifest,
                                StateEntry, fsync_dir, fsync_path, read_manifest, read_new_records, write_header,
                                write_record, write_snapshot)
 from kvmemory.store import shards
+from kvmemory.store.cache import ShardCache
 from kvmemory.store.lock import writer_lock
+from kvmemory.store.objects import LocalFiles, ObjectFiles
 
 # numpy dtype that holds each KV dtype's raw words losslessly (Zarr has no bfloat16)
 STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
@@ -55,6 +61,7 @@ META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest"
 ARRAYS = ("kv", *META_ARRAYS)
 INDEX_DIR = "index"                       # the selection indexes (derived data, written under the writer lock)
 TRACE_ENV = "KVMEMORY_TRACE_COMMITS"      # a file to append "begin/end <time>" of each commit to
+CLAIMS_DIR = "claims"                     # object stores: claims/<shard> names the committer that owns a shard
 
 
 @dataclass
@@ -90,11 +97,18 @@ class GcReport:
 class BlockStore:
     """The on-disk truth. Opening reads the header and the log; every block read verifies its digest."""
 
-    def __init__(self, root: Path, read_only: bool = False, lock_timeout_s: float = 30.0) -> None:
+    def __init__(self, root: Path, read_only: bool = False, lock_timeout_s: float = 30.0, files=None,
+                 cache_bytes: int = 8 << 30) -> None:
+        """root: the store directory; for a store on an object store (`files` an ObjectFiles) the
+        local working directory that holds its disk cache tier and derived indexes."""
         self.root = Path(root)
+        self.files = files if files is not None else LocalFiles(self.root)
+        self.remote = bool(self.files.remote)
+        self.name = self.files.describe()
         self.read_only = read_only
         self.lock_timeout_s = lock_timeout_s
-        self.manifest = read_manifest(self.root)
+        self.cache = ShardCache(self.files, self.root / "cache", cache_bytes) if self.remote else None
+        self.manifest = read_manifest(self.files)
         self._open_arrays()
         self._chunks: dict[int, dict[str, np.ndarray]] = {}   # metadata chunk -> arrays (committed: immutable)
         self._ids: dict[bytes, int] | None = None             # built on first row_of
@@ -105,14 +119,36 @@ class BlockStore:
 
     # ---------------------------------------------------------------- create / open
     @classmethod
-    def open(cls, root, read_only: bool = True, lock_timeout_s: float = 30.0) -> "BlockStore":
-        """Open an existing store; StoreError if `root` is not one."""
+    def open(cls, root, read_only: bool = True, lock_timeout_s: float = 30.0, storage_options: dict | None = None,
+             work_dir=None) -> "BlockStore":
+        """Open an existing store (a directory, or s3://bucket/prefix); StoreError if `root` is not one."""
+        from kvmemory.store.objects import is_url, open_files
+
+        if is_url(root):
+            files = open_files(root, storage_options)
+            if not files.exists(MANIFEST_NAME):
+                raise StoreError(f"no kvmemory store at {files.describe()} (no {MANIFEST_NAME})")
+            return cls(Path(work_dir) if work_dir is not None else default_work_dir(files.describe()),
+                       read_only=read_only, lock_timeout_s=lock_timeout_s, files=files)
         root = Path(root)
         if root.exists() and not root.is_dir():
             raise StoreError(f"{root} is a file, not a store directory")
         if not (root / MANIFEST_NAME).is_file():
             raise StoreError(f"no kvmemory store at {root} (no {MANIFEST_NAME})")
         return cls(root, read_only=read_only, lock_timeout_s=lock_timeout_s)
+
+    @classmethod
+    def create_remote(cls, files: ObjectFiles, work_dir: Path, manifest: Manifest, lock_timeout_s: float = 30.0,
+                      cache_bytes: int = 8 << 30) -> "BlockStore":
+        """Create a store on an object store. The arrays' metadata first, the header last with a
+        create-only write: of two processes creating one store, one header lands and both open it."""
+        if not files.exists(MANIFEST_NAME):
+            try:
+                _create_arrays(files.zarr_store("data", read_only=False), manifest)
+                write_header(files, manifest)
+            except StoreExistsError:
+                pass                                   # another process created it meanwhile
+        return cls(work_dir, lock_timeout_s=lock_timeout_s, files=files, cache_bytes=cache_bytes)
 
     @classmethod
     def create(cls, root: Path, manifest: Manifest, lock_timeout_s: float = 30.0) -> "BlockStore":
@@ -123,7 +159,8 @@ class BlockStore:
                 return cls(root, lock_timeout_s=lock_timeout_s)
             shutil.rmtree(root / "data", ignore_errors=True)   # an earlier create that did not finish
             try:
-                _create_arrays(root, manifest)
+                _create_arrays(LocalStore(root / "data"), manifest)
+                _fsync_tree(root / "data")
                 (root / LOG_DIR).mkdir(exist_ok=True)
                 for d in (root / "data", root / LOG_DIR, root):
                     fsync_dir(d)
@@ -134,20 +171,22 @@ class BlockStore:
 
     def _open_arrays(self) -> None:
         try:
-            store = LocalStore(self.root / "data", read_only=True)
+            store = self.files.zarr_store("data", read_only=True)
             g = zarr.open_group(store=store, mode="r", zarr_format=3)
             self._arr = {name: g[name] for name in ARRAYS}
         except Exception as e:  # zarr raises many types for a damaged group; name the store
-            raise StoreCorruptError(f"store {self.root}: cannot open its Zarr arrays: {e}") from None
+            raise StoreCorruptError(f"store {self.name}: cannot open its Zarr arrays: {e}") from None
         for name, a in self._arr.items():
             per = a.shards[0] if name == "kv" and a.shards else a.chunks[0]
             if a.shape[0] != ROW_CAPACITY or per != self.manifest.shard_blocks:
-                raise StoreCorruptError(f"store {self.root}: array {name} has shape {a.shape} and {per} rows per "
+                raise StoreCorruptError(f"store {self.name}: array {name} has shape {a.shape} and {per} rows per "
                                         f"file; this layout needs {ROW_CAPACITY} rows, {self.manifest.shard_blocks} "
                                         "per file")
-        # our own shard layout is read straight from the files (see shards.py)
-        self._layout = shards.shard_layout(self.root / "data" / "kv")
+        # our own shard layout is read straight from the files (see shards.py); on an object store
+        # from local copies of the shard objects (the disk cache tier)
+        self._layout = shards.layout_of(self.files.read("data/kv/zarr.json").decode())
         self._direct = self._layout if self._layout is not None and self._layout.raw else None
+        self._kv_dir = (self.cache.root if self.remote else self.root) / "data" / "kv"
 
     # ---------------------------------------------------------------- queries
     @property
@@ -179,7 +218,7 @@ class BlockStore:
     def refresh(self) -> None:
         """Pick up commits made by other processes since this store was opened (one stat if none)."""
         with self._mutex:
-            self._after_records(read_new_records(self.root, self.manifest))
+            self._after_records(read_new_records(self.files, self.manifest))
 
     def _after_records(self, records: list[CommitRecord]) -> None:
         """Bring the id map (if built) up to date with records just applied: only what they changed."""
@@ -201,7 +240,7 @@ class BlockStore:
         row = int(last_row)
         while row != -1:
             if not self.is_committed(row) or len(rows) > self.manifest.n_blocks:
-                raise StoreCorruptError(f"store {self.root}: broken parent chain at row {row}")
+                raise StoreCorruptError(f"store {self.name}: broken parent chain at row {row}")
             rows.append(row)
             row = int(self.block_meta([row])["parent"][0])
         return rows[::-1]
@@ -232,7 +271,7 @@ class BlockStore:
         try:
             return self._arr[name][start:stop]
         except Exception as e:
-            raise StoreCorruptError(f"store {self.root}: cannot read {name} rows {start}..{stop - 1}: {e}") from None
+            raise StoreCorruptError(f"store {self.name}: cannot read {name} rows {start}..{stop - 1}: {e}") from None
 
     def verified_meta(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
         """block_meta of committed rows whose ids re-derive from their parent's id, tokens and positions,
@@ -252,7 +291,7 @@ class BlockStore:
             if not (0 < n <= self.manifest.block_tokens) or np.any(np.diff(pos) != 1) or \
                     hashing.block_id(fp, parent_id, meta["tokens"][i][:n], pos) != bid or \
                     self.manifest.id_of(r) != bid:
-                raise StoreCorruptError(f"store {self.root}: block {bid.hex()} (row {r}): its id does not match "
+                raise StoreCorruptError(f"store {self.name}: block {bid.hex()} (row {r}): its id does not match "
                                         "its parent, tokens and positions")
         return meta
 
@@ -260,7 +299,7 @@ class BlockStore:
         for r in rows:
             if not self.is_committed(r):
                 why = "was reclaimed by gc" if r in self.manifest.freed else "is not committed"
-                raise StoreCorruptError(f"store {self.root}: row {r} {why}")
+                raise StoreCorruptError(f"store {self.name}: row {r} {why}")
 
     def read_kv(self, rows: Sequence[int], verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """KV of committed rows, digest-checked. Returns (kv [k, L, 2, H, C, D], n_tokens [k]).
@@ -272,7 +311,12 @@ class BlockStore:
         meta = self.block_meta(rows)
         if self._direct is not None:
             kv = np.empty((len(rows), *self._arr["kv"].shape[1:]), dtype=self._arr["kv"].dtype)
-            shards.read_blocks(self.root / "data" / "kv", rows, kv, self._direct.per_shard)
+            if verify:
+                self._cached_read(rows, lambda: (shards.read_blocks(self._kv_dir, rows, kv, self._direct.per_shard),
+                                                 self._check_digests(rows, kv, meta)))
+            else:
+                self._cached_read(rows, lambda: shards.read_blocks(self._kv_dir, rows, kv, self._direct.per_shard))
+            return kv, meta["n_tokens"]
         else:
             parts = [self._read("kv", start, stop) for start, stop in _runs(rows)]
             kv = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -296,15 +340,45 @@ class BlockStore:
                 np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3, out=res)
             return res
         res = shards.host_buffer(want, self._arr["kv"].dtype)
-        shards.read_state(self.root / "data" / "kv", rows, n, [d.tobytes() for d in meta["digest"]],
-                          [b.tobytes().hex() for b in meta["block_id"]], res, self._direct.per_shard)
+        self._cached_read(rows, lambda: shards.read_state(
+            self._kv_dir, rows, n, [d.tobytes() for d in meta["digest"]], [b.tobytes().hex() for b in meta["block_id"]],
+            res, self._direct.per_shard))
         return res
+
+    def _check_digests(self, rows: list[int], kv: np.ndarray, meta: dict) -> None:
+        for i, r in enumerate(rows):
+            self._check_digest(r, kv[i], int(meta["n_tokens"][i]), meta["digest"][i], meta["block_id"][i])
+
+    def _shard_key(self, shard: int) -> str:
+        return "data/kv/c/" + "/".join([str(shard)] + ["0"] * (self._arr["kv"].ndim - 1))
+
+    def _cached_read(self, rows: list[int], read: Callable[[], object]) -> None:
+        """Run a direct read of `rows`. On an object store: first bring their shard objects to the
+        disk tier; a read that fails (a damaged or evicted copy) drops the copies and fetches them
+        once more, and what fails then is reported as it is."""
+        if not self.remote:
+            read()
+            return
+        S = self._direct.per_shard
+        want: dict[str, int] = {}
+        for r in rows:
+            k = self._shard_key(r // S)
+            want[k] = want.get(k, 0) + 1
+        self.cache.ensure(want)
+        try:
+            read()
+        except StoreCorruptError:
+            self.cache.drop(want)
+            self.cache.ensure(want)
+            read()
+        finally:
+            self.cache.trim(keep=())
 
     def _check_digest(self, row: int, kv: np.ndarray, n: int, want: np.ndarray, bid: np.ndarray) -> None:
         got = block_digest(kv, n)
         if got != want.tobytes():
             raise StoreCorruptError(
-                f"store {self.root}: block {bid.tobytes().hex()} (row {row}) failed its digest check: "
+                f"store {self.name}: block {bid.tobytes().hex()} (row {row}) failed its digest check: "
                 f"stored {want.tobytes().hex()}, read {got.hex()}")
 
     def verify_all(self, progress=None) -> list[tuple[int, str]]:
@@ -336,7 +410,7 @@ class BlockStore:
     def write_lock(self):
         """The store's writer lock (across processes), re-entrant within this object."""
         if self.read_only:
-            raise StoreReadOnlyError(f"store {self.root} is open read-only")
+            raise StoreReadOnlyError(f"store {self.name} is open read-only")
         with self._mutex:
             if self._lock_depth:
                 self._lock_depth += 1
@@ -345,7 +419,7 @@ class BlockStore:
                 finally:
                     self._lock_depth -= 1
                 return
-            with writer_lock(self.root, self.lock_timeout_s):
+            with (writer_lock(self.root, self.lock_timeout_s) if not self.remote else _nothing()):
                 self._lock_depth = 1
                 try:
                     yield
@@ -376,25 +450,41 @@ class BlockStore:
                 if not ch.blocks and not ch.states and not ch.docs and not ch.removed_docs and not ch.removed_states:
                     return m
                 start = m.next_row
+                if ch.blocks and self.remote:
+                    # no lock across machines: claim shards of our own (create-only), then move the
+                    # rows build planned from next_row on to them
+                    claimed = self._claim_rows(len(ch.blocks))
+                    ch = _relocate(ch, start, claimed)
+                    start = claimed
                 self._check_refs(ch, start)
-                rec = CommitRecord(commit=m.commit + 1, start=start if ch.blocks else 0,
-                                   ids="".join(b.block_id.hex() for b in ch.blocks),
-                                   tokens=sum(len(b.tokens) for b in ch.blocks), states=dict(ch.states),
-                                   docs=dict(ch.docs), removed_docs=list(ch.removed_docs),
-                                   removed_states=list(ch.removed_states), time=time.time())
-                files: list[Path] = []
+                keys: list[str] = []
                 try:
                     if ch.blocks:
-                        files = self._append(start, ch.blocks)
-                    write_record(self.root, rec)
+                        keys = self._append(start, ch.blocks)
+                    while True:
+                        rec = CommitRecord(commit=self.manifest.commit + 1, start=start if ch.blocks else 0,
+                                           ids="".join(b.block_id.hex() for b in ch.blocks),
+                                           tokens=sum(len(b.tokens) for b in ch.blocks), states=dict(ch.states),
+                                           docs=dict(ch.docs), removed_docs=list(ch.removed_docs),
+                                           removed_states=list(ch.removed_states), time=time.time())
+                        try:
+                            write_record(self.files, rec)
+                            break
+                        except StoreExistsError:
+                            if not self.remote:
+                                raise
+                            # another machine committed first: take its commit, check that what ours
+                            # names is still there, and try the next commit number
+                            self.refresh()
+                            self._check_refs(ch, start)
                 except BaseException:
-                    for f in files:                   # rows no commit names: nothing may keep them
-                        _unlink(f)
+                    for k in keys:                    # rows no commit names: nothing may keep them
+                        self._remove(k)
                     raise
                 self._apply(rec)
                 if rec.commit % SNAPSHOT_EVERY == 0:
                     try:
-                        write_snapshot(self.root, self.manifest)
+                        write_snapshot(self.files, self.manifest)
                     except StoreError:
                         pass                          # an optimisation: the records alone are complete
                 if after is not None:
@@ -402,6 +492,31 @@ class BlockStore:
                 return self.manifest
             finally:
                 _trace("end")
+
+    def _claim_rows(self, k: int) -> int:
+        """Object stores: claim ceil(k / shard_blocks) consecutive shards no one else holds, each
+        with a create-only claims/<shard> object; returns the first row. A shard another committer
+        claimed first is skipped (with the ones claimed before it: rows, not bytes, are lost)."""
+        S = self.manifest.shard_blocks
+        n = -(-k // S)
+        taken = [int(x) for x in self.files.list(CLAIMS_DIR) if x.isdigit()]
+        c = max([self.manifest.next_row // S] + [t + 1 for t in taken])
+        deadline = time.monotonic() + max(self.lock_timeout_s, 1.0)
+        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        while True:
+            got = 0
+            for j in range(n):
+                try:
+                    self.files.create(f"{CLAIMS_DIR}/{c + j:010d}", body)
+                except StoreExistsError:
+                    break
+                got += 1
+            if got == n:
+                return c * S
+            if time.monotonic() > deadline:
+                raise StoreLockedError(f"store {self.name}: could not claim {n} free shards within "
+                                       f"{self.lock_timeout_s:g} s (many committers at once?)")
+            c += got + 1
 
     def _check_refs(self, ch: Change, start: int) -> None:
         """A commit may only name rows that are committed or that it appends."""
@@ -411,7 +526,7 @@ class BlockStore:
         if lost:
             why = "were reclaimed by gc meanwhile" if any(r in self.manifest.freed for r in lost) else \
                 "are not committed"
-            raise StoreError(f"store {self.root}: this commit names block rows that {why} "
+            raise StoreError(f"store {self.name}: this commit names block rows that {why} "
                              f"({lost[:5]}); nothing was written: run it again")
 
     def _apply(self, rec: CommitRecord) -> None:
@@ -439,27 +554,36 @@ class BlockStore:
 
     def _writable_arrays(self) -> dict[str, zarr.Array]:
         if self._writable is None:
-            g = zarr.open_group(store=LocalStore(self.root / "data"), mode="r+", zarr_format=3)
+            g = zarr.open_group(store=self.files.zarr_store("data", read_only=False), mode="r+", zarr_format=3)
             self._writable = {name: g[name] for name in ARRAYS}
         return self._writable
 
-    def _files_of(self, first_chunk: int, last_chunk: int) -> list[Path]:
-        """The data files holding metadata chunks / kv shards first..last (inclusive)."""
+    def _files_of(self, first_chunk: int, last_chunk: int) -> list[str]:
+        """The data files (keys under the store) holding metadata chunks / kv shards first..last (inclusive)."""
         out = []
         for name in ARRAYS:
             a = self._arr[name]
             for c in range(first_chunk, last_chunk + 1):
-                out.append(self.root / "data" / name / "c" / "/".join([str(c)] + ["0"] * (a.ndim - 1)))
+                out.append(f"data/{name}/c/" + "/".join([str(c)] + ["0"] * (a.ndim - 1)))
         return out
 
-    def _append(self, start: int, blocks: list[NewBlock]) -> list[Path]:
+    def _remove(self, key: str) -> int:
+        if self.remote:
+            try:
+                self.files.delete(key)
+            except StoreError:
+                return 0                                # best effort: unnamed rows are never read
+            return 1
+        return _unlink(self.root / key)
+
+    def _append(self, start: int, blocks: list[NewBlock]) -> list[str]:
         """Write new rows [start, start + k) into new files; fsync them. Returns the files written."""
         arrs = self._writable_arrays()
         k = len(blocks)
         S, C = self.manifest.shard_blocks, self.manifest.block_tokens
         files = self._files_of(start // S, (start + k - 1) // S)
         for f in files:                              # leftovers of an interrupted commit: never merged
-            _unlink(f)
+            self._remove(f)
         kv = np.zeros((k, *arrs["kv"].shape[1:]), dtype=arrs["kv"].dtype)
         tokens = np.full((k, C), -1, np.int32)
         positions = np.full((k, C), -1, np.int32)
@@ -483,12 +607,13 @@ class BlockStore:
                 arrs["n_tokens"][sl] = np.array([len(b.tokens) for b in blocks], np.int32)
                 arrs["block_id"][sl] = np.stack([np.frombuffer(b.block_id, np.uint8) for b in blocks])
                 arrs["digest"][sl] = digests
-            _fsync_files(files, self.root / "data")
+            if not self.remote:
+                _fsync_files([self.root / f for f in files], self.root / "data")
         except OSError as e:
             for f in files:
-                _unlink(f)
+                self._remove(f)
             why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
-            raise StoreError(f"store {self.root}: cannot write blocks: {why}; the store stays at commit "
+            raise StoreError(f"store {self.name}: cannot write blocks: {why}; the store stays at commit "
                              f"{self.manifest.commit}") from None
         return files
 
@@ -497,7 +622,14 @@ class BlockStore:
         Called under the writer lock on a writer's first commit. Returns the files removed.
 
         Only where the writer lock governs writes: the store's root, data/, log/, index/ (not,
-        e.g., a server's serve/ folder, whose files are written without that lock)."""
+        e.g., a server's serve/ folder, whose files are written without that lock).
+
+        On an object store there is no lock: a shard past the last commit may be another
+        committer's work in progress, so nothing is removed (rows a failed commit claimed stay
+        unnamed, never read)."""
+        if self.remote:
+            self._cleaned = True
+            return 0
         removed = 0
         for top in (self.root / "data", self.root / LOG_DIR, self.root / INDEX_DIR):
             for dirpath, _, names in os.walk(top):
@@ -534,6 +666,9 @@ class BlockStore:
         (temp file, fsync, rename: the live rows are in the old or the new file, never in neither)
         or removed. A crash mid-way leaves bytes to reclaim, which the next gc finds.
         """
+        if self.remote:
+            raise StoreError(f"store {self.name}: gc of a store on an object store is not supported yet "
+                             "(its shard objects are immutable; unreferenced blocks only cost space)")
         with self.write_lock():
             self.refresh()
             if not self._cleaned:
@@ -544,7 +679,7 @@ class BlockStore:
             if dead:
                 toks = int(self.block_meta(dead)["n_tokens"].sum())
                 rec = CommitRecord(commit=m.commit + 1, freed=dead, freed_tokens=toks, time=time.time())
-                write_record(self.root, rec)
+                write_record(self.files, rec)
                 self._apply(rec)
             return self._reclaim(len(dead))
 
@@ -563,12 +698,12 @@ class BlockStore:
         m = self.manifest
         S = m.shard_blocks
         if self._layout is None:
-            raise StoreError(f"store {self.root}: its kv array does not use kvmemory's shard layout; cannot gc")
+            raise StoreError(f"store {self.name}: its kv array does not use kvmemory's shard layout; cannot gc")
         freed, removed, rewritten = 0, 0, 0
         for shard in sorted({r // S for r in m.freed}):
             rows = range(shard * S, (shard + 1) * S)
             keep = [r - shard * S for r in rows if m.is_committed(r)]
-            files = self._files_of(shard, shard)
+            files = [self.root / k for k in self._files_of(shard, shard)]
             kv_file = files[0]
             if not kv_file.exists():
                 continue
@@ -587,6 +722,8 @@ class BlockStore:
     # ---------------------------------------------------------------- sizes
     def disk_bytes(self) -> int:
         """Bytes of the store's committed files (temp files of interrupted writes not counted)."""
+        if self.remote:
+            return sum(n for k, n in self.files.walk() if not k.startswith(CLAIMS_DIR + "/"))
         total = 0
         for dirpath, _, names in os.walk(self.root):
             for f in names:
@@ -599,8 +736,45 @@ class BlockStore:
         return total
 
 
-def _create_arrays(root: Path, m: Manifest) -> None:
-    g = zarr.open_group(store=LocalStore(root / "data"), mode="w", zarr_format=3)
+def default_work_dir(url: str) -> Path:
+    """The local working directory of a store on an object store (disk cache tier, derived
+    indexes): KVMEMORY_STORE_CACHE_DIR or the user cache directory, one folder per URL."""
+    base = os.environ.get("KVMEMORY_STORE_CACHE_DIR")
+    if not base:
+        import platformdirs
+
+        base = os.path.join(platformdirs.user_cache_dir("kvmemory"), "stores")
+    return Path(base) / hashlib.sha256(url.encode()).hexdigest()[:20]
+
+
+def _relocate(ch: Change, planned: int, start: int) -> Change:
+    """The same change with the rows of its new blocks moved from planned.. to start.."""
+    if planned == start:
+        return ch
+    k = len(ch.blocks)
+
+    def mv(r: int) -> int:
+        return r - planned + start if planned <= r < planned + k else r
+    blocks = [NewBlock(b.block_id, mv(b.parent_row), b.tokens, b.positions, b.kv) for b in ch.blocks]
+    states = {sid: dataclasses.replace(e, last_row=mv(e.last_row)) for sid, e in ch.states.items()}
+    docs = {d: dataclasses.replace(e, rows=[mv(r) for r in e.rows]) for d, e in ch.docs.items()}
+    return Change(blocks, states, docs, ch.removed_docs, ch.removed_states)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _fsync_tree(top: Path) -> None:
+    for dirpath, _, files in os.walk(top):
+        for f in files:
+            fsync_path(Path(dirpath) / f)
+        fsync_dir(Path(dirpath))
+
+
+def _create_arrays(zstore, m: Manifest) -> None:
+    g = zarr.open_group(store=zstore, mode="w", zarr_format=3)
     C, S = m.block_tokens, m.shard_blocks
     kv_shape = (m.model["layers"], 2, m.model["kv_heads"], C, m.model["head_dim"])
     codecs = None
@@ -616,10 +790,6 @@ def _create_arrays(root: Path, m: Manifest) -> None:
     ):
         g.create_array(name, shape=(ROW_CAPACITY, *shape), dtype=dtype, chunks=(S, *shape),
                        compressors=meta_codec, fill_value=fill)
-    for dirpath, _, files in os.walk(root / "data"):
-        for f in files:
-            fsync_path(Path(dirpath) / f)
-        fsync_dir(Path(dirpath))
 
 
 def _fsync_files(files: list[Path], top: Path) -> None:

@@ -239,7 +239,7 @@ def test_snapshots_bound_what_an_open_reads(tmp_path, monkeypatch):
     assert (root / "log" / f"snapshot-{SNAPSHOT_EVERY:08d}.json").is_file()
     opened: list[str] = []
     real = manifest_mod._read_text
-    monkeypatch.setattr(manifest_mod, "_read_text", lambda p: opened.append(Path(p).name) or real(p))
+    monkeypatch.setattr(manifest_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
     m = read_manifest(root)
     assert len(opened) <= 2 + 5 + 1              # header, snapshot, the records after it, one miss
     assert m.commit == SNAPSHOT_EVERY + 5 and sorted(m.states) == sorted(kept)

@@ -1,0 +1,226 @@
+"""Where a store's files live: a local directory or a prefix on an S3-compatible object store.
+
+Everything the commit protocol needs is four operations on small named files: read, create
+(never over an existing name: the commit point), list, delete. `LocalFiles` does them with
+durable POSIX writes (temp file, fsync, link, fsync of the directory); `ObjectFiles` with
+obstore (Rust object_store): a create is a PUT with `If-None-Match: *`, which S3 (since
+2024), MinIO, Ceph RGW, R2 and moto refuse with 412 when the name exists. Of two committers
+racing for the same record, exactly one wins; the other gets `StoreExistsError`.
+
+The block arrays are Zarr v3 either way: `zarr_store()` gives zarr's `LocalStore` or its
+`ObjectStore` over the same obstore client, so the data layout is the same on disk and in a
+bucket (a store can be copied between them with `aws s3 sync`).
+
+Why obstore and not s3fs: one native client for the commit log, the Zarr arrays and the
+range reads of the cache tier; conditional PUT (`mode="create"`) is a first-class argument
+(fsspec has no portable create-only write); no asyncio event loop of its own to collide with
+zarr's; and it reads the standard AWS_* environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlparse
+
+from kvmemory.errors import InputError, MissingDependencyError, StoreError, StoreExistsError
+
+_SCHEMES = ("s3",)
+
+
+def is_url(location) -> bool:
+    """True for an object-store location (s3://bucket/prefix), False for a local path."""
+    return isinstance(location, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", location) is not None
+
+
+class LocalFiles:
+    """A store's files in a local directory."""
+
+    remote = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def read(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def create(self, key: str, data: bytes) -> None:
+        """Write a new file durably; StoreExistsError if the name exists (nothing is overwritten)."""
+        from kvmemory.manifest import write_new_file
+
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_new_file(path, data)
+
+    def exists(self, key: str) -> bool:
+        return (self.root / key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        """Names of the files directly in folder `prefix`."""
+        d = self.root / prefix
+        return sorted(os.listdir(d)) if d.is_dir() else []
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.root / key)
+        except FileNotFoundError:
+            pass
+
+    def zarr_store(self, sub: str, read_only: bool):
+        from zarr.storage import LocalStore
+
+        return LocalStore(self.root / sub, read_only=read_only)
+
+
+class ObjectFiles:
+    """A store's files under a prefix of an S3-compatible bucket (obstore).
+
+    Credentials, region and endpoint come from the usual environment variables
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL,
+    AWS_ALLOW_HTTP=true for a plain-HTTP server) or from `storage_options` (obstore S3 config
+    keys, e.g. {"endpoint": ..., "access_key_id": ..., "allow_http": True}), which win."""
+
+    remote = True
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        try:
+            import obstore
+            import obstore.store as ost
+        except ImportError:
+            raise MissingDependencyError("an s3:// store needs obstore: pip install 'kvmemory[s3]'") from None
+        u = urlparse(url)
+        if u.scheme not in _SCHEMES or not u.netloc:
+            raise InputError(f"{url!r}: an object-store location is s3://bucket/prefix")
+        self.url = f"{u.scheme}://{u.netloc}/{u.path.strip('/')}".rstrip("/")
+        self.bucket, self.prefix = u.netloc, u.path.strip("/")
+        opts = {k.lower(): v for k, v in (storage_options or {}).items()}
+        client = {}
+        for k in ("allow_http", "timeout", "connect_timeout"):
+            if k in opts:
+                client[k] = opts.pop(k)
+        env_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
+        if env_http and "allow_http" not in client:
+            client["allow_http"] = True
+        if "endpoint" not in opts and os.environ.get("AWS_ENDPOINT_URL"):
+            opts["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+        if "region" not in opts and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
+            opts["region"] = "us-east-1"
+        # fail in seconds, not minutes, when the service is unreachable (object_store's default
+        # retries for 3 minutes); transient errors are still retried
+        retry = {"max_retries": int(opts.pop("max_retries", 3)),
+                 "retry_timeout": timedelta(seconds=float(opts.pop("retry_timeout", 30)))}
+        self._ob = obstore
+        self._config, self._client, self._retry = opts or None, client or None, retry
+        try:
+            self.store = ost.S3Store(self.bucket, prefix=self.prefix or None, config=opts or None,
+                                     client_options=client or None, retry_config=retry)
+        except Exception as e:  # obstore raises its own config errors
+            raise StoreError(f"cannot configure object store {self.url}: {e}") from None
+
+    def describe(self) -> str:
+        return self.url
+
+    def _err(self, what: str, key: str, e: Exception) -> StoreError:
+        return StoreError(f"object store {self.url}: cannot {what} {key}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300]}")
+
+    def read(self, key: str) -> bytes:
+        try:
+            return self._ob.get(self.store, key).bytes().to_bytes()
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._err("read", key, e) from None
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            return bytes(self._ob.get_range(self.store, key, start=start, end=end))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._err("read", key, e) from None
+
+    def create(self, key: str, data: bytes) -> None:
+        """PUT with If-None-Match: *; StoreExistsError if the name exists."""
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            self._ob.put(self.store, key, data, mode="create")
+        except (AlreadyExistsError, PreconditionError):
+            raise StoreExistsError(f"cannot write {self.url}/{key}: it already exists") from None
+        except Exception as e:
+            raise self._err("write", key, e) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._ob.head(self.store, key)
+            return True
+        except FileNotFoundError:
+            return False
+        except Exception as e:
+            raise self._err("look up", key, e) from None
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self._ob.head(self.store, key)["size"])
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._err("look up", key, e) from None
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under `prefix`/ (objects, not deeper levels)."""
+        try:
+            res = self._ob.list_with_delimiter(self.store, prefix.rstrip("/") + "/")
+        except Exception as e:
+            raise self._err("list", prefix, e) from None
+        return sorted(o["path"].rsplit("/", 1)[-1] for o in res["objects"])
+
+    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+        """(key, size) of every object under prefix."""
+        try:
+            out = []
+            for batch in self._ob.list(self.store, prefix or None):
+                out += [(o["path"], int(o["size"])) for o in batch]
+            return out
+        except Exception as e:
+            raise self._err("list", prefix, e) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self._ob.delete(self.store, key)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self._err("delete", key, e) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        """An unconditional write (tests use it to damage an object; the store never does)."""
+        self._ob.put(self.store, key, data)
+
+    def zarr_store(self, sub: str, read_only: bool):
+        import obstore.store as ost
+        from zarr.storage import ObjectStore
+
+        prefix = "/".join(p for p in (self.prefix, sub) if p)
+        inner = ost.S3Store(self.bucket, prefix=prefix or None, config=self._config, client_options=self._client,
+                            retry_config=self._retry)
+        return ObjectStore(inner, read_only=read_only)
+
+
+def open_files(location, storage_options: dict | None = None):
+    """LocalFiles for a path, ObjectFiles for an s3:// URL."""
+    if is_url(location):
+        scheme = str(location).split("://", 1)[0].lower()
+        if scheme not in _SCHEMES:
+            raise InputError(f"{location!r}: unsupported scheme {scheme!r} (kvmemory stores live in a directory "
+                             "or at s3://bucket/prefix)")
+        return ObjectFiles(str(location), storage_options)
+    if storage_options:
+        raise InputError("storage_options apply only to an s3:// location")
+    return LocalFiles(Path(location))
