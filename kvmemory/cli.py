@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("files", metavar="FILE", nargs="+", help="UTF-8 text files")
     sp.add_argument("--segment-blocks", type=_positive_int, default=None, metavar="N",
                     help="blocks per segment (default 4 = 1,024 tokens)")
+    sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="compute segments on Ray actors (one model each, a GPU each where the cluster has "
+                         "them); ADDRESS of a cluster (e.g. auto, ray://head:10001), or none for a local one. "
+                         "The store must be reachable by every worker (s3:// for a cluster)")
+    sp.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="Ray workers (default 2)")
     model_arg(sp)
 
     sp = add("ask", "answer a question from the deposited documents",
@@ -303,6 +308,16 @@ def cmd_add(args) -> int:
     from kvmemory.documents import read_files
 
     read_files(args.files)                # every file checked before the store is opened or created
+    if args.ray is not None:
+        from kvmemory.distributed import ray_add
+
+        r = ray_add(args.store, args.files, address=None if args.ray == "local" else args.ray, workers=args.workers,
+                    model=args.model, segment_blocks=args.segment_blocks, progress=True)
+        for info in r.docs:
+            print(f"added {info.doc_id}: {info.n_tokens} tokens, {info.blocks} blocks, {info.segments} segments")
+        print(f"ray: {r.workers} workers, {r.computed}/{r.segments} segments computed, {r.restarts} workers replaced, "
+              f"{r.tokens_per_s:.0f} tokens/s")
+        return 0
     with _open_docs(args) as mem:
         for info in mem.add_files(args.files, progress=True):
             print(f"added {info.doc_id}: {info.n_tokens} tokens, {info.blocks} blocks, {info.segments} segments")

@@ -305,8 +305,7 @@ class Documents:
         store.refresh()
         if doc_id in store.manifest.docs:
             raise InputError(f"document {doc_id!r} already exists; remove it first (kvmemory rm)")
-        prelude, prelude_row = self._prelude_state()
-        p = prelude.n_tokens
+        p = self._prelude_state()[0].n_tokens
         C = store.manifest.block_tokens
         seg_len = self.segment_blocks * C
         if p + seg_len > mem.geometry.max_positions:
@@ -314,16 +313,9 @@ class Documents:
         rows: list[int] = []
         indexed = {win.row_of(i) for i in self.index("dense").ids()} & {win.row_of(i) for i in self.index("keys").ids()}
         found: dict[str, list] = {"wids": [], "vecs": [], "texts": [], "kwids": [], "kvecs": []}
-        parent = bytes.fromhex(prelude.id)
         for s0 in range(0, len(ids), seg_len):
             seg = ids[s0:s0 + seg_len]
-            chain = hashing.chain_ids(mem.fingerprint, seg, C, parent=parent, start=p)
-            seg_rows = [store.row_of(b) for b in chain]
-            kv = None
-            if any(r is None for r in seg_rows):     # compute the segment (resume skips stored ones)
-                cache = prelude.cache()
-                kv = [b for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p)]
-                seg_rows = self._commit_segment(chain, seg, kv, prelude_row, p, C)
+            seg_rows, kv = self.compute_segment(seg)   # resume (or other workers) may have stored it
             leads = [rows[-1] if rows else None] + seg_rows[:-1]
             new = [i for i, r in enumerate(seg_rows) if r not in indexed]   # a shared block is indexed once
             if new:
@@ -353,6 +345,30 @@ class Documents:
             return [], {}, {doc_id: entry}, ()
         store.commit(build)
         return DocInfo(doc_id, entry.n_tokens, len(rows), entry.segments, source, entry.created)
+
+    def segments(self, ids: list[int]) -> list[list[int]]:
+        """A document's token ids cut into deposit segments."""
+        seg_len = self.segment_blocks * self.mem.block_tokens
+        return [ids[s0:s0 + seg_len] for s0 in range(0, len(ids), seg_len)]
+
+    def compute_segment(self, seg: list[int], before_commit=None) -> tuple[list[int], list | None]:
+        """Store one deposit segment's blocks (computed behind the prelude at its positions) unless the
+        store has them all; its blocks stay invisible to queries until a document names them.
+        Returns (rows, kv blocks computed or None). before_commit() runs between the prefill and
+        the commit (a distributed worker's fault hook)."""
+        mem, store = self.mem, self.mem.require_store()
+        prelude, prelude_row = self._prelude_state()
+        p, C = prelude.n_tokens, store.manifest.block_tokens
+        chain = hashing.chain_ids(mem.fingerprint, seg, C, parent=bytes.fromhex(prelude.id), start=p)
+        store.refresh()
+        rows = [store.row_of(b) for b in chain]
+        if all(r is not None for r in rows):
+            return rows, None
+        cache = prelude.cache()
+        kv = [b for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p)]
+        if before_commit is not None:
+            before_commit()
+        return self._commit_segment(chain, seg, kv, prelude_row, p, C), kv
 
     def _commit_segment(self, chain, seg, kv, prelude_row, p, C) -> list[int]:
         rows: list[int] = []
