@@ -141,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--queue", type=_positive_int, default=32, metavar="N",
                     help="requests that may wait for the model; more get 429 (default 32)")
     sp.add_argument("--max-body-mb", type=_positive_int, default=16, metavar="MB", help="request size limit (413)")
+    sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
+                         "replica holding its KV); ADDRESS of a cluster, or none for a local one")
+    sp.add_argument("--replicas", type=_positive_int, default=2, metavar="N", help="Ray Serve replicas (default 2)")
     model_arg(sp)
 
     sp = add("gc", "reclaim the disk space of blocks no state or document uses",
@@ -382,6 +386,13 @@ def cmd_serve(args) -> int:
             raise KVMemoryError(f"cannot read {args.api_key_file}: {e.strerror}") from None
         if not key:
             raise KVMemoryError(f"{args.api_key_file} is empty")
+    if args.ray is not None:
+        from kvmemory.serve_ray import serve_ray
+
+        serve_ray(args.store, host=args.host, port=args.port, replicas=args.replicas,
+                  address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
+                  queue_size=args.queue, max_body_bytes=args.max_body_mb << 20)
+        return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
           max_body_bytes=args.max_body_mb << 20)
     return 0

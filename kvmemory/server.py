@@ -104,6 +104,7 @@ class Jobs:
     def __init__(self, root: Path) -> None:
         self.file = JsonFile(root / "jobs.json")
         self.uploads = root / "uploads"
+        self.prefix = "job-"
         self.jobs: dict[str, dict] = self.file.load()
         self.queue: "queue.Queue[str]" = queue.Queue()
         for jid, job in sorted(self.jobs.items(), key=lambda kv: kv[1]["created"]):
@@ -117,7 +118,7 @@ class Jobs:
             self.file.save(self.jobs)
 
     def create(self, text: str, doc_id: str, source: str) -> dict:
-        jid = "job-" + uuid.uuid4().hex[:16]
+        jid = self.prefix + uuid.uuid4().hex[:16]
         self.uploads.mkdir(parents=True, exist_ok=True)
         JsonFile(self.uploads / f"{jid}.json").save({"text": text})
         job = {"id": jid, "doc_id": doc_id, "source": source, "status": "queued", "created": time.time(),
@@ -546,8 +547,11 @@ def _check_id(value, what: str) -> str:
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20):
-    """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup."""
+def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
+               serve_dir: Path | None = None, job_prefix: str = "job-"):
+    """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
+    serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
+    serve one store); job_prefix: how job ids start (a replica's rank, for routing)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -555,8 +559,9 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    root = Path(mem.path) / SERVE_DIR
+    root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     engine = Engine(mem, root)
+    engine.jobs.prefix = job_prefix
     worker = Worker(queue_size)
     stop = threading.Event()
 

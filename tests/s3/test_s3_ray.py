@@ -8,6 +8,7 @@ import random
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
 
 import kvmemory  # noqa: E402
 from kvmemory.distributed import ray_add  # noqa: E402
