@@ -47,13 +47,18 @@ class RayAddReport:
     computed: int = 0                             # segments the workers computed (the rest were stored)
     restarts: int = 0                             # workers replaced after dying
     workers: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0                          # all of it: model loads, worker start, deposits, indexing
+    compute_seconds: float = 0.0                  # from every worker ready to the last document committed
     tokens: int = 0
     worker_pids: set = field(default_factory=set)   # processes that computed segments
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def compute_tokens_per_s(self) -> float:
+        return self.tokens / self.compute_seconds if self.compute_seconds else 0.0
 
 
 class _Worker:
@@ -90,7 +95,12 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
     address: a Ray cluster ("auto", "ray://host:10001", ...) or None for a local one. GPUs are
     given to workers where the cluster has them (num_gpus_per_worker, default 1 if any).
     hook(key), if given, runs in a worker between a segment's prefill and its commit (tests
-    use it to kill a worker mid-segment). Returns a RayAddReport; raises KVMemoryError if a
+    use it to kill a worker mid-segment).
+
+    threads_per_worker: the CPUs Ray reserves for a worker and its torch threads. By default a
+    worker reserves 1 CPU but runs as many torch threads as this process: on CPU the bytes of
+    a block depend on the thread count (a partial block's reductions split differently), and
+    with equal counts a worker stores exactly the bytes a local `add` would. Returns a RayAddReport; raises KVMemoryError if a
     segment fails more than max_restarts times.
     """
     from kvmemory.documents import read_files, text_ids
@@ -126,6 +136,9 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         Actor = ray.remote(max_restarts=0, max_task_retries=0)(_Worker)
         opts = {"num_cpus": threads_per_worker or 1, "num_gpus": gpus}
+        import torch
+
+        threads = threads_per_worker or torch.get_num_threads()
         # a worker gets a model path it can load, never a loaded model object
         model_arg = model if model is None or isinstance(model, (str, os.PathLike)) else None
         if model is not None and model_arg is None:
@@ -136,9 +149,13 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
         report.workers = n
 
         def spawn():
-            return Actor.options(**opts).remote(str(store), model_arg, seg_blocks, storage_options,
-                                                threads_per_worker, hook)
+            return Actor.options(**opts).remote(str(store), model_arg, seg_blocks, storage_options, threads, hook)
         pool = [spawn() for _ in range(n)]
+        try:
+            ray.get([a.ready.remote() for a in pool])   # every worker has loaded its model
+        except ray.exceptions.RayActorError as e:
+            raise KVMemoryError(f"a Ray worker could not start: {str(e).strip().splitlines()[-1][:500]}") from None
+        t_ready = time.perf_counter()
         todo = list(tasks)
         running: dict = {}                          # object ref -> (actor index, key)
         failures: dict = {}
@@ -189,6 +206,7 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
                     p = paths[next_doc]
                     report.docs.append(mem.add(texts[next_doc], doc_id=p.name, source=str(p)))
                     next_doc += 1
+            report.compute_seconds = time.perf_counter() - t_ready
         finally:
             if bar is not None:
                 bar.close()
