@@ -60,10 +60,13 @@ class LocalFiles:
     def exists(self, key: str) -> bool:
         return (self.root / key).is_file()
 
-    def list(self, prefix: str) -> list[str]:
-        """Names of the files directly in folder `prefix`."""
+    def list(self, prefix: str, after: str | None = None) -> list[str]:
+        """Names of the files directly in folder `prefix` (after the key `after`, if given)."""
         d = self.root / prefix
-        return sorted(os.listdir(d)) if d.is_dir() else []
+        names = sorted(os.listdir(d)) if d.is_dir() else []
+        if after is not None:
+            names = [n for n in names if f"{prefix.rstrip('/')}/{n}" > after]
+        return names
 
     def delete(self, key: str) -> None:
         try:
@@ -173,13 +176,20 @@ class ObjectFiles:
         except Exception as e:
             raise self._err("look up", key, e) from None
 
-    def list(self, prefix: str) -> list[str]:
-        """Names directly under `prefix`/ (objects, not deeper levels)."""
+    def list(self, prefix: str, after: str | None = None) -> list[str]:
+        """Names directly under `prefix`/ (objects, not deeper levels); with `after` (a key), only the
+        names after it (S3 start-after: the listing starts there instead of at the first name)."""
+        p = prefix.rstrip("/") + "/"
         try:
-            res = self._ob.list_with_delimiter(self.store, prefix.rstrip("/") + "/")
+            if after is None:
+                res = self._ob.list_with_delimiter(self.store, p)["objects"]
+            else:
+                res = [o for batch in self._ob.list(self.store, p, offset=after) for o in batch]
         except Exception as e:
             raise self._err("list", prefix, e) from None
-        return sorted(o["path"].rsplit("/", 1)[-1] for o in res["objects"])
+        names = (o["path"][len(self.prefix) + 1 if self.prefix and o["path"].startswith(self.prefix + "/") else 0:]
+                 for o in res)
+        return sorted(n[len(p):] for n in names if n.startswith(p) and "/" not in n[len(p):])
 
     def walk(self, prefix: str = "") -> list[tuple[str, int]]:
         """(key, size) of every object under prefix."""

@@ -107,6 +107,8 @@ class BlockStore:
         self.name = self.files.describe()
         self.read_only = read_only
         self.lock_timeout_s = lock_timeout_s
+        if self.remote:
+            self.root.mkdir(parents=True, exist_ok=True)
         self.cache = ShardCache(self.files, self.root / "cache", cache_bytes) if self.remote else None
         self.manifest = read_manifest(self.files)
         self._open_arrays()
@@ -114,6 +116,7 @@ class BlockStore:
         self._ids: dict[bytes, int] | None = None             # built on first row_of
         self._writable: dict[str, zarr.Array] | None = None
         self._cleaned = False
+        self._claimed = 0                                     # object stores: shards below this are taken
         self._mutex = threading.RLock()                        # one thread at a time changes this object
         self._lock_depth = 0
 
@@ -419,7 +422,9 @@ class BlockStore:
                 finally:
                     self._lock_depth -= 1
                 return
-            with (writer_lock(self.root, self.lock_timeout_s) if not self.remote else _nothing()):
+            # on an object store this lock (on the local working directory) orders the processes of
+            # one machine, which share its derived indexes; machines commit without a common lock
+            with writer_lock(self.root, self.lock_timeout_s):
                 self._lock_depth = 1
                 try:
                     yield
@@ -499,8 +504,10 @@ class BlockStore:
         claimed first is skipped (with the ones claimed before it: rows, not bytes, are lost)."""
         S = self.manifest.shard_blocks
         n = -(-k // S)
-        taken = [int(x) for x in self.files.list(CLAIMS_DIR) if x.isdigit()]
-        c = max([self.manifest.next_row // S] + [t + 1 for t in taken])
+        low = max(self.manifest.next_row // S, self._claimed)
+        # claims past what this process knows of (LIST from there on: one page, however big the store)
+        taken = [int(x) for x in self.files.list(CLAIMS_DIR, after=f"{CLAIMS_DIR}/{low:010d}") if x.isdigit()]
+        c = max([low] + [t + 1 for t in taken])
         deadline = time.monotonic() + max(self.lock_timeout_s, 1.0)
         body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
         while True:
@@ -512,6 +519,7 @@ class BlockStore:
                     break
                 got += 1
             if got == n:
+                self._claimed = c + n
                 return c * S
             if time.monotonic() > deadline:
                 raise StoreLockedError(f"store {self.name}: could not claim {n} free shards within "
@@ -582,8 +590,9 @@ class BlockStore:
         k = len(blocks)
         S, C = self.manifest.shard_blocks, self.manifest.block_tokens
         files = self._files_of(start // S, (start + k - 1) // S)
-        for f in files:                              # leftovers of an interrupted commit: never merged
-            self._remove(f)
+        if not self.remote:                          # (on an object store these shards are freshly claimed)
+            for f in files:                          # leftovers of an interrupted commit: never merged
+                self._remove(f)
         kv = np.zeros((k, *arrs["kv"].shape[1:]), dtype=arrs["kv"].dtype)
         tokens = np.full((k, C), -1, np.int32)
         positions = np.full((k, C), -1, np.int32)
@@ -609,9 +618,15 @@ class BlockStore:
                 arrs["digest"][sl] = digests
             if not self.remote:
                 _fsync_files([self.root / f for f in files], self.root / "data")
-        except OSError as e:
+        except Exception as e:
             for f in files:
                 self._remove(f)
+            if not isinstance(e, OSError) or self.remote:
+                if not self.remote:
+                    raise
+                raise StoreError(f"store {self.name}: cannot write blocks: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:300] if str(e) else ''}; the store stays at commit "
+                                 f"{self.manifest.commit}") from None
             why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
             raise StoreError(f"store {self.name}: cannot write blocks: {why}; the store stays at commit "
                              f"{self.manifest.commit}") from None
@@ -759,11 +774,6 @@ def _relocate(ch: Change, planned: int, start: int) -> Change:
     states = {sid: dataclasses.replace(e, last_row=mv(e.last_row)) for sid, e in ch.states.items()}
     docs = {d: dataclasses.replace(e, rows=[mv(r) for r in e.rows]) for d, e in ch.docs.items()}
     return Change(blocks, states, docs, ch.removed_docs, ch.removed_states)
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _fsync_tree(top: Path) -> None:

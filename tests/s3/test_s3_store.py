@@ -237,3 +237,55 @@ def test_cli_works_on_an_s3_url(s3, tmp_path, tiny_dir):
     assert info["path"] == url and info["documents"] == 1
     r = run("verify", url, "--model", str(tiny_dir))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _etags(s3, prefix="store/"):
+    out = {}
+    for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = o["ETag"]
+    return out
+
+
+def test_a_commit_on_s3_never_rewrites_an_object(s3, tmp_path):
+    """The durability layout on S3: every commit adds objects, none it or another commit owns changes."""
+    gen = torch.Generator().manual_seed(5)
+    store = make_remote(s3.url(), tmp_path / "w1", shard_blocks=2)
+    commit_state(store, *random_state(gen, 5))
+    for n in (3, 1, 9, 4, 13):
+        before = _etags(s3)
+        commit_state(store, *random_state(gen, n))
+        after = _etags(s3)
+        assert [k for k, v in before.items() if after.get(k) != v] == []
+        assert len(after) > len(before)
+
+
+def test_snapshots_on_s3_bound_what_an_open_reads(s3, tmp_path, monkeypatch):
+    from kvmemory import manifest as manifest_mod
+    from kvmemory.manifest import SNAPSHOT_EVERY, read_manifest
+
+    gen = torch.Generator().manual_seed(6)
+    store = make_remote(s3.url(), tmp_path / "w1", shard_blocks=1)
+    kept = {}
+    for i in range(SNAPSHOT_EVERY + 3):
+        t, kv = random_state(gen, 1 + i % 3)
+        kept[commit_state(store, t, kv)] = kv
+    assert f"store/log/snapshot-{SNAPSHOT_EVERY:08d}.json" in s3.keys("store/log/")
+    opened: list[str] = []
+    real = manifest_mod._read_text
+    monkeypatch.setattr(manifest_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
+    m = read_manifest(open_files(s3.url()))
+    assert len(opened) <= 2 + 3 + 1 and m.commit == SNAPSHOT_EVERY + 3 and sorted(m.states) == sorted(kept)
+    fresh = open_remote(s3.url(), tmp_path / "w2")
+    for sid, kv in list(kept.items())[::16]:
+        assert torch.equal(read_state(fresh, sid), kv)
+
+
+def test_gc_on_s3_is_a_typed_error_and_changes_nothing(s3, tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    store = make_remote(s3.url(), tmp_path / "w1")
+    commit_state(store, *random_state(gen, 5))
+    before = _etags(s3)
+    with pytest.raises(StoreError, match="not supported"):
+        store.gc(grace_s=0)
+    assert _etags(s3) == before
