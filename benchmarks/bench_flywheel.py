@@ -53,7 +53,10 @@ def run(mem, problems, label: str, bar, **solve_kw) -> dict:
                      "decoded": st["tokens_decoded"], "prefilled": st["tokens_prefilled"],
                      "restored": st["tokens_restored"], "attempts": st["attempts"], "examples": st["examples"],
                      "repeated": st["repeated"], "ttft": st["timings_s"]["ttft"], "total": st["timings_s"]["total"],
-                     "learned": sol.learned.entry_id if sol.learned else None})
+                     "learned": sol.learned.entry_id if sol.learned else None,
+                     # repeated problems: the answer is the stored verified one; this says whether the
+                     # model, restored at the end of its solution, also ends the turn there
+                     "answer_from": st.get("answer_from"), "model_ends_turn": st.get("model_ends_turn")})
         bar(label)
     return summarize(rows)
 
@@ -65,7 +68,9 @@ def summarize(rows: list[dict]) -> dict:
     for f in sorted({r["family"] for r in rows}):
         rs = [r for r in rows if r["family"] == f]
         fams[f] = {"n": len(rs), "correct": sum(r["ok"] for r in rs)}
+    ends = [r["model_ends_turn"] for r in rows if r.get("model_ends_turn") is not None]
     return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": wilson(k, n),
+            "model_ends_turn": sum(ends) if ends else None,
             "decoded_mean": mean("decoded"), "prefilled_mean": mean("prefilled"), "restored_mean": mean("restored"),
             "ttft_median": statistics.median(r["ttft"] for r in rows) if rows else 0.0,
             "total_mean": mean("total"), "families": fams, "rows": rows}

@@ -205,14 +205,15 @@ class Library:
                 raise StoreCorruptError(f"library entry {p} does not match its name")
             self._entries[sid] = e
 
-    def entries(self) -> list[Entry]:
-        self.refresh()
+    def entries(self, refresh: bool = True) -> list[Entry]:
+        if refresh:
+            self.refresh()
         return sorted(self._entries.values(), key=lambda e: (e.created, e.entry_id))
 
-    def find(self, problem: str) -> Entry | None:
+    def find(self, problem: str, refresh: bool = True) -> Entry | None:
         """The verified entry of this exact problem (normalised whitespace), newest first."""
         key = problem_key(problem)
-        hits = [e for e in self.entries() if e.verified and problem_key(e.problem) == key]
+        hits = [e for e in self.entries(refresh) if e.verified and problem_key(e.problem) == key]
         return hits[-1] if hits else None
 
     def learn(self, problem: str, solution: str, verify=None) -> Entry:
@@ -255,13 +256,14 @@ class Library:
             v = self._vecs[e.entry_id] = shared_embedder().embed([e.problem])[0]
         return v
 
-    def nearest(self, problem: str, k: int, exclude: set[str] = frozenset()) -> list[tuple[Entry, float]]:
+    def nearest(self, problem: str, k: int, exclude: set[str] = frozenset(),
+                refresh: bool = True) -> list[tuple[Entry, float]]:
         """The k verified entries whose problems are nearest to `problem` (cosine of MiniLM
         embeddings, exact search with FAISS), best first."""
         import faiss
 
         from kvmemory.index.embedder import shared_embedder
-        pool = [e for e in self.entries() if e.verified and e.entry_id not in exclude]
+        pool = [e for e in self.entries(refresh) if e.verified and e.entry_id not in exclude]
         if not pool or k < 1:
             return []
         key = tuple(e.entry_id for e in pool)
@@ -335,7 +337,8 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     # ---- a problem already solved: restore its verified state through the answer line, feed its
     # last token, decode one token (the model, at the end of its own verified solution, should end
     # the turn). The answer is the stored verified one: nothing is recomputed.
-    hit = lib.find(problem) if reuse else None
+    lib.refresh()                                  # once per solve (on S3 a LIST): find and nearest use it
+    hit = lib.find(problem, refresh=False) if reuse else None
     if hit is not None:
         st = mem.load(hit.entry_id)
         P_turn = len(lib.prelude_ids) + len(lib.turn_ids(hit.problem, None))
@@ -363,7 +366,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     if len(lib.prelude_ids) > room:
         raise WindowExceededError(f"the problem is {len(q_ids)} tokens; with the prelude and {max_new_tokens} "
                                   f"answer tokens it does not fit the model's window")
-    chosen = [e for e, _ in lib.nearest(problem, k)][::-1]
+    chosen = [e for e, _ in lib.nearest(problem, k, refresh=False)][::-1]
     while chosen and len(lib.prelude_ids) + sum(e.n_tokens - len(lib.prelude_ids) for e in chosen) > room:
         chosen = chosen[1:]                                        # drop the farthest first
     t = time.perf_counter()

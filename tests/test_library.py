@@ -95,6 +95,19 @@ def test_verified_solve_is_learned_and_survives_reopen(store_path, tiny):
         assert sol.verified and sol.learned is None and sol.stats["learn_skipped"] == "the store is read-only"
 
 
+def test_a_solve_lists_the_library_once(tmem, monkeypatch):
+    """On an object store a listing is a request: solve reads the library's names once."""
+    tmem.learn("What is 5 + 1?", "5 + 1 = 6.\nAnswer: 6", verify="answer:6")
+    files = tmem.store.files
+    calls = []
+    real = files.list
+    monkeypatch.setattr(files, "list", lambda *a, **k: calls.append(a) or real(*a, **k))
+    tmem.solve("What is 5 + 2?", max_new_tokens=4, learn=False)            # new: examples path
+    assert len(calls) == 1
+    tmem.solve("What is 5 + 1?", max_new_tokens=4, learn=False)            # repeated path
+    assert len(calls) == 2
+
+
 def test_window_first_example_exact_others_rerotated(tmem):
     a = tmem.learn("Add 1 and 2.", "1 + 2 = 3.\nAnswer: 3", verify="answer:3")
     b = tmem.learn("Add 4 and 4.", "4 + 4 = 8.\nAnswer: 8", verify="answer:8")
