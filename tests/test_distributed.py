@@ -104,3 +104,18 @@ def test_ray_add_with_the_real_model(ray_cluster, tmp_path, real_model):
         local.add_files(files)
         with kvmemory.Memory(tmp_path / "ray.kvm", model=real_model) as mem:
             assert _blocks(mem, "doc0.txt") == _blocks(local, "doc0.txt")
+
+
+def test_cli_add_with_ray(ray_cluster, tmp_path, tiny_dir, rng, capsys):
+    from kvmemory.cli import main
+
+    files = _docs(tmp_path, rng, n_docs=2, words=400)
+    store = tmp_path / "cli.kvm"
+    assert main(["add", str(store), *map(str, files), "--ray", "--workers", "2", "--model", str(tiny_dir),
+                 "--segment-blocks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "added doc0.txt" in out and "added doc1.txt" in out and "ray: 2 workers" in out
+    with kvmemory.Memory(store, model=str(tiny_dir)) as mem:
+        assert [d.doc_id for d in mem.docs()] == ["doc0.txt", "doc1.txt"] and mem.verify() == []
+    assert main(["add", str(store), str(files[0]), "--ray", "--model", str(tiny_dir)]) == 1   # already there
+    assert "already exists" in capsys.readouterr().err
