@@ -108,6 +108,8 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"workers must be an integer >= 1, got {workers!r}")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InputError("with --ray, model must be a directory every worker can load")
     paths, texts = read_files(files)
     ray = _ray()
     t0 = time.perf_counter()
@@ -139,11 +141,7 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
         import torch
 
         threads = threads_per_worker or torch.get_num_threads()
-        # a worker gets a model path it can load, never a loaded model object
-        model_arg = model if model is None or isinstance(model, (str, os.PathLike)) else None
-        if model is not None and model_arg is None:
-            raise InputError("with --ray, model must be a directory every worker can load")
-        model_arg = None if model_arg is None else str(model_arg)
+        model_arg = None if model is None else str(model)    # a path each worker loads
         seg_blocks = mem.documents.segment_blocks
         n = max(1, min(workers, len(tasks)))
         report.workers = n
@@ -217,10 +215,6 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
                     pass
             if not started:
                 ray.shutdown()
-        while next_doc < len(paths):               # documents of no segment (cannot happen: text is non-empty)
-            p = paths[next_doc]
-            report.docs.append(mem.add(texts[next_doc], doc_id=p.name, source=str(p)))
-            next_doc += 1
     finally:
         if owns:
             mem.close()

@@ -280,14 +280,6 @@ def snapshot_key(commit: int) -> str:
     return f"{LOG_DIR}/snapshot-{commit:08d}.json"
 
 
-def record_path(root: Path, commit: int) -> Path:
-    return Path(root) / record_key(commit)
-
-
-def snapshot_path(root: Path, commit: int) -> Path:
-    return Path(root) / snapshot_key(commit)
-
-
 def _read_text(files, key: str) -> str:
     """A log file's text; FileNotFoundError if absent, StoreCorruptError if not UTF-8."""
     try:

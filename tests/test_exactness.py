@@ -43,6 +43,17 @@ def _fresh_prefill(model, ids, C):
     return cache
 
 
+def _graft_and_fresh(model, st, ids, suffix, C):
+    """Logits of `suffix` after the restored state `st` (of `ids`), and after a clean block-aligned
+    prefill of the same ids; the state's token ids are checked first."""
+    assert st.token_ids == ids
+    with torch.inference_mode():
+        s = torch.tensor([suffix])
+        graft = model(input_ids=s, past_key_values=st.cache()).logits[0]
+        fresh = model(input_ids=s, past_key_values=_fresh_prefill(model, ids, C)).logits[0]
+    return graft, fresh
+
+
 def test_e3_same_position_graft_is_bit_exact(tmp_path, real_model, rng):
     model, tok = real_model
     path = tmp_path / "e3.kvm"
@@ -70,12 +81,8 @@ def test_e3_same_position_graft_is_bit_exact(tmp_path, real_model, rng):
     rows = []
     with kvmemory.Memory(path, model=real_model) as mem:      # a new Memory: every byte from disk
         for ids, suffix, sid in samples:
-            st = mem.load(sid)
-            assert st.token_ids == ids
+            graft, fresh = _graft_and_fresh(model, mem.load(sid), ids, suffix, C)
             with torch.inference_mode():
-                s = torch.tensor([suffix])
-                graft = model(input_ids=s, past_key_values=st.cache()).logits[0]
-                fresh = model(input_ids=s, past_key_values=_fresh_prefill(model, ids, C)).logits[0]
                 single = model(input_ids=torch.tensor([ids + suffix])).logits[0, len(ids):]
             rows.append((len(ids), torch.equal(graft, fresh), kl_divergence(fresh, graft),
                          max_abs_diff(graft, single), kl_divergence(single, graft)))

@@ -140,14 +140,6 @@ class ObjectFiles:
         except Exception as e:
             raise self._err("read", key, e) from None
 
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        try:
-            return bytes(self._ob.get_range(self.store, key, start=start, end=end))
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise self._err("read", key, e) from None
-
     def create(self, key: str, data: bytes) -> None:
         """PUT with If-None-Match: *; StoreExistsError if the name exists."""
         from obstore.exceptions import AlreadyExistsError, PreconditionError
@@ -168,14 +160,6 @@ class ObjectFiles:
         except Exception as e:
             raise self._err("look up", key, e) from None
 
-    def size(self, key: str) -> int:
-        try:
-            return int(self._ob.head(self.store, key)["size"])
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise self._err("look up", key, e) from None
-
     def list(self, prefix: str, after: str | None = None) -> list[str]:
         """Names directly under `prefix`/ (objects, not deeper levels); with `after` (a key), only the
         names after it (S3 start-after: the listing starts there instead of at the first name)."""
@@ -187,8 +171,7 @@ class ObjectFiles:
                 res = [o for batch in self._ob.list(self.store, p, offset=after) for o in batch]
         except Exception as e:
             raise self._err("list", prefix, e) from None
-        names = (o["path"][len(self.prefix) + 1 if self.prefix and o["path"].startswith(self.prefix + "/") else 0:]
-                 for o in res)
+        names = (o["path"] for o in res)                 # relative to the store's prefix
         return sorted(n[len(p):] for n in names if n.startswith(p) and "/" not in n[len(p):])
 
     def walk(self, prefix: str = "") -> list[tuple[str, int]]:
@@ -208,10 +191,6 @@ class ObjectFiles:
             pass
         except Exception as e:
             raise self._err("delete", key, e) from None
-
-    def put(self, key: str, data: bytes) -> None:
-        """An unconditional write (tests use it to damage an object; the store never does)."""
-        self._ob.put(self.store, key, data)
 
     def zarr_store(self, sub: str, read_only: bool):
         import obstore.store as ost

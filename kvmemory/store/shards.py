@@ -35,14 +35,9 @@ class Layout:
     raw: bool             # inner chunks are raw little-endian bytes (readable in place)
 
 
-def shard_layout(array_dir: Path) -> Layout | None:
-    """The shard layout of array_dir if it is kvmemory's (sharding_indexed, one block per inner chunk,
-    index of (offset, nbytes) pairs + crc32c at the end); None otherwise."""
-    return layout_of((array_dir / "zarr.json").read_text())
-
-
 def layout_of(zarr_json: str) -> Layout | None:
-    """shard_layout from the text of an array's zarr.json."""
+    """The shard layout of an array (the text of its zarr.json) if it is kvmemory's (sharding_indexed,
+    one block per inner chunk, index of (offset, nbytes) pairs + crc32c at the end); None otherwise."""
     meta = json.loads(zarr_json)
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":

@@ -314,18 +314,18 @@ class BlockStore:
         meta = self.block_meta(rows)
         if self._direct is not None:
             kv = np.empty((len(rows), *self._arr["kv"].shape[1:]), dtype=self._arr["kv"].dtype)
-            if verify:
-                self._cached_read(rows, lambda: (shards.read_blocks(self._kv_dir, rows, kv, self._direct.per_shard),
-                                                 self._check_digests(rows, kv, meta)))
-            else:
-                self._cached_read(rows, lambda: shards.read_blocks(self._kv_dir, rows, kv, self._direct.per_shard))
+
+            def read() -> None:
+                shards.read_blocks(self._kv_dir, rows, kv, self._direct.per_shard)
+                if verify:                       # inside: a damaged disk-tier copy is fetched again
+                    self._check_digests(rows, kv, meta)
+            self._cached_read(rows, read)
             return kv, meta["n_tokens"]
         else:
             parts = [self._read("kv", start, stop) for start, stop in _runs(rows)]
             kv = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if verify:
-            for i, r in enumerate(rows):
-                self._check_digest(r, kv[i], int(meta["n_tokens"][i]), meta["digest"][i], meta["block_id"][i])
+            self._check_digests(rows, kv, meta)
         return kv, meta["n_tokens"]
 
     def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvmemory
-from tests.test_exactness import _fresh_prefill, _real_text
+from tests.test_exactness import _graft_and_fresh, _real_text
 
 pytestmark = pytest.mark.real_model
 
@@ -25,12 +25,7 @@ def test_e3_same_position_graft_from_s3_is_bit_exact(s3, tmp_path, real_model, r
             samples.append((ids, suffix, mem.save(ids).id))
     with kvmemory.Memory(url, model=real_model, work_dir=tmp_path / "reader") as mem:   # every byte from S3
         for ids, suffix, sid in samples:
-            st = mem.load(sid)
-            assert st.token_ids == ids
-            with torch.inference_mode():
-                s = torch.tensor([suffix])
-                graft = model(input_ids=s, past_key_values=st.cache()).logits[0]
-                fresh = model(input_ids=s, past_key_values=_fresh_prefill(model, ids, C)).logits[0]
+            graft, fresh = _graft_and_fresh(model, mem.load(sid), ids, suffix, C)
             assert torch.equal(graft, fresh), len(ids)
         assert mem.store.cache.stats.shards_fetched > 0
 
