@@ -99,7 +99,19 @@ def test_llm_and_embedding_in_a_vector_store_index(real_mem, corpus):
     doc_id, question, code = facts[1]
     resp = index.as_query_engine(llm=llm, similarity_top_k=3).query(question)
     assert resp.response and len(resp.source_nodes) == 3
-    assert any(code in n.node.get_content() and n.node.metadata["doc_id"] == doc_id for n in resp.source_nodes)
+    # the index ranked with this embedding: its three nodes are the brute-force top three under
+    # MiniLM cosine over every node it holds, with the same scores. (Whether plain dense retrieval
+    # over 96-token chunks finds the planted fact is MiniLM's quality, not the adapter's: over 450
+    # drawn questions its chunk ranked anywhere from 1st to 22nd of ~28, so it is not asserted.)
+    import numpy as np
+    from kvmemory.index.embedder import shared_embedder
+    nodes = list(index.docstore.docs.values())
+    vecs = shared_embedder().embed([n.get_content(metadata_mode="embed") for n in nodes])
+    sims = vecs @ shared_embedder().embed([question])[0]
+    top = np.argsort(-sims, kind="stable")[:3]
+    assert [n.node.node_id for n in resp.source_nodes] == [nodes[i].node_id for i in top]
+    assert np.allclose([n.score for n in resp.source_nodes], sims[top], atol=1e-5)
+    assert all(n.node.metadata["doc_id"] in docs for n in resp.source_nodes)
 
 
 def test_missing_extra_names_it():
