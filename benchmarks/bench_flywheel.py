@@ -72,6 +72,7 @@ def summarize(rows: list[dict]) -> dict:
     return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": wilson(k, n),
             "model_ends_turn": sum(ends) if ends else None,
             "decoded_mean": mean("decoded"), "prefilled_mean": mean("prefilled"), "restored_mean": mean("restored"),
+            "examples_mean": mean("examples"),
             "ttft_median": statistics.median(r["ttft"] for r in rows) if rows else 0.0,
             "total_mean": mean("total"), "families": fams, "rows": rows}
 
@@ -86,6 +87,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=12, help="learned problems asked again")
     ap.add_argument("--seeded", type=int, default=50, help="program-written worked solutions in the seeded library")
+    ap.add_argument("--sweep-k", default="", metavar="K,K,...",
+                    help="also answer the eval problems greedily with these k of the seeded library, as KV and as "
+                         "text (accuracy and the TTFT ratio as the grafted context grows)")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the table and PNG of an earlier run's JSON")
@@ -141,6 +145,10 @@ def main() -> None:
         C[f"seeded_{args.seeded}"] = run(seeded, evals, "seeded", bar, k=args.k, reuse=False, **kw)
         C[f"seeded_{args.seeded}_text"] = run(seeded, evals, "seeded text", bar, k=args.k, reuse=False,
                                               examples_as="text", **kw)
+        for k in sorted({int(x) for x in args.sweep_k.split(",") if x.strip()} - {args.k}):
+            C[f"seeded_{args.seeded}_k{k}"] = run(seeded, evals, f"seeded k={k}", bar, k=k, reuse=False, **kw)
+            C[f"seeded_{args.seeded}_k{k}_text"] = run(seeded, evals, f"seeded k={k} text", bar, k=k, reuse=False,
+                                                       examples_as="text", **kw)
         C[f"seeded_{args.seeded}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
                                                           attempts=args.n, reuse=False, **kw)
         # repeated: problems the libraries hold, asked again, against the model alone on the same problems
@@ -171,9 +179,28 @@ def print_table(res: dict, n: int) -> None:
         lo, hi = c["ci95"]
         print(f"{name:<24} {c['accuracy']:6.2f} {f'[{lo:.2f},{hi:.2f}]':>13} {c['n']:>4} {c['decoded_mean']:8.1f} "
               f"{c['prefilled_mean']:9.1f} {c['restored_mean']:8.1f} {c['ttft_median']:7.3f}")
+    ks = k_sweep(res)
+    if ks:
+        print(f"\nseeded library, greedy, k examples: KV vs the same examples as text")
+        print(f"{'k':>3} {'acc KV':>7} {'acc text':>8} {'restored':>8} {'TTFT KV':>8} {'TTFT text':>9} {'ratio':>6}")
+        for k, kv, tx in ks:
+            print(f"{k:>3} {kv['accuracy']:7.2f} {tx['accuracy']:8.2f} {kv['restored_mean']:8.1f} "
+                  f"{kv['ttft_median']:8.3f} {tx['ttft_median']:9.3f} {tx['ttft_median'] / kv['ttft_median']:5.1f}x")
     print("\nper family (correct/n):")
     for name, c in res["conditions"].items():
         print(f"  {name:<24} " + "  ".join(f"{f} {v['correct']}/{v['n']}" for f, v in c["families"].items()))
+
+
+def k_sweep(res: dict) -> list[tuple[int, dict, dict]]:
+    """(k, KV condition, text condition) of the seeded library for every k measured, ascending."""
+    C, S = res["conditions"], res["args"]["seeded"]
+    out = []
+    if f"seeded_{S}" in C:
+        out.append((res["args"]["k"], C[f"seeded_{S}"], C[f"seeded_{S}_text"]))
+    for name in C:
+        if name.startswith(f"seeded_{S}_k") and not name.endswith("_text"):
+            out.append((int(name.rsplit("_k", 1)[1]), C[name], C[name + "_text"]))
+    return sorted(out, key=lambda x: x[0]) if len(out) > 1 else []
 
 
 def plot(res: dict, n: int, path: Path) -> None:
@@ -186,7 +213,24 @@ def plot(res: dict, n: int, path: Path) -> None:
         return
     C = res["conditions"]
     xs = [p["library"] for p in res["curve"]]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    ks = k_sweep(res)
+    fig, axes = plt.subplots(1, 3 if ks else 2, figsize=(16 if ks else 11, 4))
+    a1, a2 = axes[0], axes[1]
+    if ks:
+        a3 = axes[2]
+        kx = [k for k, _, _ in ks]
+        for j, (lab, st) in enumerate((("KV", "D-"), ("text", "x--"))):
+            a3.plot(kx, [c[1 + j]["accuracy"] for c in ks], st, color=f"C{3 + j}", label=f"accuracy, examples as {lab}")
+        a3.set_xlabel("worked examples k (seeded library)")
+        a3.set_ylabel("accuracy")
+        a3.set_ylim(0, 1)
+        r = a3.twinx()
+        r.plot(kx, [tx["ttft_median"] / kv["ttft_median"] for _, kv, tx in ks], "o:", color="C2",
+               label="TTFT text / TTFT KV")
+        r.set_ylabel("TTFT ratio (text / KV)")
+        r.set_ylim(0, None)
+        a3.legend(fontsize=7, loc="upper left")
+        r.legend(fontsize=7, loc="upper right")
     a1.plot(xs, [p["accuracy"] for p in res["curve"]], "o-", label="flywheel (greedy, k examples as KV)")
     a1.fill_between(xs, [p["ci95"][0] for p in res["curve"]], [p["ci95"][1] for p in res["curve"]], alpha=0.2)
     for name, style in (("base_greedy", "--"), (f"base_best_of_{n}", ":")):

@@ -75,7 +75,7 @@ def greedy(model, tokenizer, ids: list[int], max_new: int, cache=None, C: int = 
     t = time.perf_counter()
     cache = cache if cache is not None else kvops.make_cache(None, model.config)
     for s in range(0, len(ids), C):
-        logits = model(input_ids=torch.tensor([ids[s:s + C]]), past_key_values=cache).logits[0, -1]
+        logits = kvops.last_logits(model, torch.tensor([ids[s:s + C]]), cache)   # only the last row's LM head
     ttft = time.perf_counter() - t
     first = logits.float().clone()
     from kvmemory.decode import eos_ids, greedy as decode

@@ -154,8 +154,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         cache = kvops.make_cache(kv, mem.model.config)
     else:
         cache = kvops.make_cache(ctx_kv, mem.model.config)
-        logits = mem.model(input_ids=ids_tensor(q_ids, mem.model), past_key_values=cache,
-                           use_cache=True).logits[0, -1]
+        logits = kvops.last_logits(mem.model, ids_tensor(q_ids, mem.model), cache)
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()

@@ -69,8 +69,8 @@ def run_demo(store_dir: str | None = None, out=print) -> int:
         recompute_s = time.perf_counter() - t
         with torch.inference_mode():
             q = torch.tensor([question])
-            a = mem.model(input_ids=q, past_key_values=fresh).logits[0, -1]
-            b = mem.model(input_ids=q, past_key_values=st.cache()).logits[0, -1]
+            a = kvops.last_logits(mem.model, q, fresh)
+            b = kvops.last_logits(mem.model, q, st.cache())
         exact = torch.equal(a, b)
         all_exact &= exact
         rows.append((name, st.n_tokens, restore_s, recompute_s, exact, kl_divergence(a, b)))

@@ -346,8 +346,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         cut = (ends[0] if ends else st.n_tokens) - 1           # the last token of the solution
         if cut > P_turn:
             cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut].contiguous(), model), model.config)
-            logits = model(input_ids=ids_tensor(st.token_ids[cut:cut + 1], model), past_key_values=cache,
-                           use_cache=True).logits[0, -1]
+            logits = kvops.last_logits(model, ids_tensor(st.token_ids[cut:cut + 1], model), cache)
             ttft = time.perf_counter() - t0
             nxt = int(logits.argmax())
             text = hit.solution

@@ -482,8 +482,8 @@ class Memory:
         ids = self.tokenize(self.chat_turn(prompt) if chat and isinstance(prompt, str) else prompt)
         self._check_window(st.n_tokens + len(ids) + max_new_tokens, "state + prompt + max_new_tokens")
         cache = st.cache()
-        out = self.model(input_ids=ids_tensor(ids, self.model), past_key_values=cache, use_cache=True)
-        new = greedy(self.model, cache, out.logits[0, -1], max_new_tokens, self.eos_ids)
+        logits = kvops.last_logits(self.model, ids_tensor(ids, self.model), cache)
+        new = greedy(self.model, cache, logits, max_new_tokens, self.eos_ids)
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ verified-solution library

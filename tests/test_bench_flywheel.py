@@ -29,13 +29,17 @@ def test_problem_families_are_exact(rng):
 def test_bench_flywheel_runs(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/bench_flywheel.py", "--stream", "2", "--eval", "2",
                         "--checkpoints", "1,2", "--n", "2", "--repeat", "2", "--seeded", "3", "--max-new-tokens", "6",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--sweep-k", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("flywheel-*.json")).read_text())
     C = res["conditions"]
     assert {"base_greedy", "base_best_of_2", "flywheel_after_1", "flywheel_after_2", "text_few_shot", "seeded_3",
             "seeded_3_text", "repeated"} <= set(C)
     assert res["seeded_library"] == 3 and C["seeded_3"]["restored_mean"] > 0 and C["seeded_3_text"]["restored_mean"] == 0
+    # the k sweep: one example grafted restores fewer tokens than three; as text nothing is restored
+    assert C["seeded_3_k1"]["examples_mean"] == 1 and C["seeded_3"]["examples_mean"] == 3
+    assert 0 < C["seeded_3_k1"]["restored_mean"] < C["seeded_3"]["restored_mean"]
+    assert C["seeded_3_k1_text"]["restored_mean"] == 0 and "TTFT text" in p.stdout
     # seeded problems asked again come back from their stored states, right, in a few tokens
     rep = C["repeated"]
     assert rep["n"] == 2 and rep["accuracy"] == 1.0 and all(r["repeated"] for r in rep["rows"])

@@ -122,7 +122,7 @@ def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exac
         stored = kvops.make_cache(mem._read_chain(mem.store.chain(last)), mem.model.config)
         q = mem.documents.prelude.question_ids("What is the zyxquor token?")
         with torch.inference_mode():
-            ref = mem.model(input_ids=torch.tensor([q]), past_key_values=stored).logits[0, -1]
+            ref = kvops.last_logits(mem.model, torch.tensor([q]), stored)
         assert torch.equal(ans.first_logits, ref.float())
         print(f"\nexpansion: {st['blocks']} blocks grafted exactly; reply {ans.text!r}")
 

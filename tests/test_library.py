@@ -173,8 +173,7 @@ def test_repeated_problem_restores_its_exact_state_and_answers(tmp_path, real_mo
                 pass
             assert torch.equal(kvops.cache_slice(cache, 0, st.n_tokens), st.kv)
             kvops.truncate(cache, cut)
-            clean = mem.model(input_ids=torch.tensor([st.token_ids[cut:cut + 1]]), past_key_values=cache,
-                              use_cache=True).logits[0, -1]
+            clean = kvops.last_logits(mem.model, torch.tensor([st.token_ids[cut:cut + 1]]), cache)
         assert torch.equal(sol.first_logits, clean)
         # a new problem of the family: the example is grafted, only the problem is prefilled
         new = mem.solve("A crate holds 12 jars. How many jars are in 5 crates?", max_new_tokens=48, learn=False)
