@@ -90,6 +90,11 @@ def main() -> None:
     ap.add_argument("--sweep-k", default="", metavar="K,K,...",
                     help="also answer the eval problems greedily with these k of the seeded library, as KV and as "
                          "text (accuracy and the TTFT ratio as the grafted context grows)")
+    ap.add_argument("--recompute", type=float, default=0.0, metavar="R",
+                    help="also answer the seeded library's conditions (each k) with the fraction R of the examples' "
+                         "tokens recomputed (solve(recompute=R))")
+    ap.add_argument("--seeded-only", action="store_true",
+                    help="only the seeded library's conditions (no base, stream or repeated runs)")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the table and PNG of an earlier run's JSON")
@@ -119,8 +124,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvm-flywheel-") as tmp:
         mem = kvmemory.Memory(Path(tmp) / "lib.kvm")
         C = res["conditions"]
-        C["base_greedy"] = run(mem, evals, "base greedy", bar, k=0, **kw)
-        C[f"base_best_of_{args.n}"] = run(mem, evals, "base best-of-N", bar, k=0, attempts=args.n, **kw)
+        if args.seeded_only:
+            checkpoints = []
+        else:
+            C["base_greedy"] = run(mem, evals, "base greedy", bar, k=0, **kw)
+            C[f"base_best_of_{args.n}"] = run(mem, evals, "base best-of-N", bar, k=0, attempts=args.n, **kw)
         stream_rows = []
         at = 0
         for c in checkpoints:
@@ -133,8 +141,9 @@ def main() -> None:
             res["curve"].append({"stream": c, "library": lib, **{k: v for k, v in ev.items() if k != "rows"}})
             C[f"flywheel_after_{c}"] = ev
             print(f"after {c} stream problems: library {lib}, eval accuracy {ev['accuracy']:.2f}", file=sys.stderr)
-        C["flywheel_stream"] = summarize(stream_rows)
-        C["text_few_shot"] = run(mem, evals, "text few-shot", bar, k=args.k, reuse=False, examples_as="text", **kw)
+        if not args.seeded_only:
+            C["flywheel_stream"] = summarize(stream_rows)
+            C["text_few_shot"] = run(mem, evals, "text few-shot", bar, k=args.k, reuse=False, examples_as="text", **kw)
         # the seeded library: a second store on the same model
         seeded = kvmemory.Memory(Path(tmp) / "seeded.kvm", model=(mem.model, mem.tokenizer))
         t = time.perf_counter()
@@ -145,10 +154,21 @@ def main() -> None:
         C[f"seeded_{args.seeded}"] = run(seeded, evals, "seeded", bar, k=args.k, reuse=False, **kw)
         C[f"seeded_{args.seeded}_text"] = run(seeded, evals, "seeded text", bar, k=args.k, reuse=False,
                                               examples_as="text", **kw)
+        S = args.seeded
+        if args.recompute:
+            C[f"seeded_{S}_r{args.recompute:g}"] = run(seeded, evals, "seeded blend", bar, k=args.k, reuse=False,
+                                                      recompute=args.recompute, **kw)
         for k in sorted({int(x) for x in args.sweep_k.split(",") if x.strip()} - {args.k}):
-            C[f"seeded_{args.seeded}_k{k}"] = run(seeded, evals, f"seeded k={k}", bar, k=k, reuse=False, **kw)
-            C[f"seeded_{args.seeded}_k{k}_text"] = run(seeded, evals, f"seeded k={k} text", bar, k=k, reuse=False,
-                                                       examples_as="text", **kw)
+            C[f"seeded_{S}_k{k}"] = run(seeded, evals, f"seeded k={k}", bar, k=k, reuse=False, **kw)
+            C[f"seeded_{S}_k{k}_text"] = run(seeded, evals, f"seeded k={k} text", bar, k=k, reuse=False,
+                                             examples_as="text", **kw)
+            if args.recompute:
+                C[f"seeded_{S}_k{k}_r{args.recompute:g}"] = run(seeded, evals, f"seeded k={k} blend", bar, k=k,
+                                                                reuse=False, recompute=args.recompute, **kw)
+        if args.seeded_only:
+            seeded.close()
+            mem.close()
+            return finish(res, args, t_start)
         C[f"seeded_{args.seeded}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
                                                           attempts=args.n, reuse=False, **kw)
         # repeated: problems the libraries hold, asked again, against the model alone on the same problems
@@ -161,6 +181,10 @@ def main() -> None:
             C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
         seeded.close()
         mem.close()
+    finish(res, args, t_start)
+
+
+def finish(res: dict, args, t_start: float) -> None:
     res["elapsed_s"] = time.perf_counter() - t_start
     stamp = datetime.now().strftime("%Y-%m-%d")
     out = Path(args.out)
@@ -169,7 +193,7 @@ def main() -> None:
     path.write_text(json.dumps(res, indent=1))
     print_table(res, args.n)
     plot(res, args.n, out / f"flywheel-{stamp}.png")
-    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")
+    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {res['seed']}; {res['elapsed_s']:.0f} s")
 
 
 def print_table(res: dict, n: int) -> None:
@@ -183,24 +207,26 @@ def print_table(res: dict, n: int) -> None:
     if ks:
         print(f"\nseeded library, greedy, k examples: KV vs the same examples as text")
         print(f"{'k':>3} {'acc KV':>7} {'acc text':>8} {'restored':>8} {'TTFT KV':>8} {'TTFT text':>9} {'ratio':>6}")
-        for k, kv, tx in ks:
+        for k, kv, tx, bl in ks:
             print(f"{k:>3} {kv['accuracy']:7.2f} {tx['accuracy']:8.2f} {kv['restored_mean']:8.1f} "
-                  f"{kv['ttft_median']:8.3f} {tx['ttft_median']:9.3f} {tx['ttft_median'] / kv['ttft_median']:5.1f}x")
+                  f"{kv['ttft_median']:8.3f} {tx['ttft_median']:9.3f} {tx['ttft_median'] / kv['ttft_median']:5.1f}x"
+                  + (f"   recompute {res['args']['recompute']:g}: acc {bl['accuracy']:.2f}, TTFT {bl['ttft_median']:.3f}"
+                     f" ({tx['ttft_median'] / bl['ttft_median']:.1f}x)" if bl else ""))
     print("\nper family (correct/n):")
     for name, c in res["conditions"].items():
         print(f"  {name:<24} " + "  ".join(f"{f} {v['correct']}/{v['n']}" for f, v in c["families"].items()))
 
 
-def k_sweep(res: dict) -> list[tuple[int, dict, dict]]:
-    """(k, KV condition, text condition) of the seeded library for every k measured, ascending."""
-    C, S = res["conditions"], res["args"]["seeded"]
+def k_sweep(res: dict) -> list[tuple[int, dict, dict, dict | None]]:
+    """(k, KV, text, KV with recompute or None) of the seeded library for every k measured."""
+    C, S, a = res["conditions"], res["args"]["seeded"], res["args"]
+    r = f"_r{a['recompute']:g}" if a.get("recompute") else None
     out = []
-    if f"seeded_{S}" in C:
-        out.append((res["args"]["k"], C[f"seeded_{S}"], C[f"seeded_{S}_text"]))
-    for name in C:
-        if name.startswith(f"seeded_{S}_k") and not name.endswith("_text"):
-            out.append((int(name.rsplit("_k", 1)[1]), C[name], C[name + "_text"]))
-    return sorted(out, key=lambda x: x[0]) if len(out) > 1 else []
+    for k in sorted({a["k"]} | {int(x) for x in (a.get("sweep_k") or "").split(",") if x.strip()}):
+        base = f"seeded_{S}" if k == a["k"] else f"seeded_{S}_k{k}"
+        if base in C:
+            out.append((k, C[base], C[base + "_text"], C.get(base + r) if r else None))
+    return out if len(out) > 1 or (out and r) else []
 
 
 def plot(res: dict, n: int, path: Path) -> None:
@@ -214,23 +240,33 @@ def plot(res: dict, n: int, path: Path) -> None:
     C = res["conditions"]
     xs = [p["library"] for p in res["curve"]]
     ks = k_sweep(res)
-    fig, axes = plt.subplots(1, 3 if ks else 2, figsize=(16 if ks else 11, 4))
-    a1, a2 = axes[0], axes[1]
+    only = "base_greedy" not in C                      # --seeded-only: the k panel alone
+    fig, axes = plt.subplots(1, (1 if only else 2) + bool(ks), figsize=(6 if only else (16 if ks else 11), 4),
+                             squeeze=False)
+    axes = axes[0]
     if ks:
-        a3 = axes[2]
-        kx = [k for k, _, _ in ks]
-        for j, (lab, st) in enumerate((("KV", "D-"), ("text", "x--"))):
-            a3.plot(kx, [c[1 + j]["accuracy"] for c in ks], st, color=f"C{3 + j}", label=f"accuracy, examples as {lab}")
+        a3 = axes[-1]
+        kx = [c[0] for c in ks]
+        r = res["args"].get("recompute")
+        for j, (lab, st) in enumerate((("KV", "D-"), ("text", "x--"), (f"KV, recompute {r:g}" if r else "", "s-."))):
+            if j < 2 or r:
+                a3.plot(kx, [c[1 + j]["accuracy"] for c in ks], st, color=f"C{3 + j}", label=f"accuracy, {lab}")
         a3.set_xlabel("worked examples k (seeded library)")
         a3.set_ylabel("accuracy")
         a3.set_ylim(0, 1)
-        r = a3.twinx()
-        r.plot(kx, [tx["ttft_median"] / kv["ttft_median"] for _, kv, tx in ks], "o:", color="C2",
-               label="TTFT text / TTFT KV")
-        r.set_ylabel("TTFT ratio (text / KV)")
-        r.set_ylim(0, None)
+        tw = a3.twinx()
+        tw.plot(kx, [c[2]["ttft_median"] / c[1]["ttft_median"] for c in ks], "o:", color="C2",
+                label="TTFT text / TTFT KV")
+        tw.set_ylabel("TTFT ratio (text / KV)")
+        tw.set_ylim(0, None)
         a3.legend(fontsize=7, loc="upper left")
-        r.legend(fontsize=7, loc="upper right")
+        tw.legend(fontsize=7, loc="upper right")
+    if only:
+        fig.suptitle(f"kvmemory seeded library, SmolLM2-135M-Instruct, seed {res['seed']}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
+    a1, a2 = axes[0], axes[1]
     a1.plot(xs, [p["accuracy"] for p in res["curve"]], "o-", label="flywheel (greedy, k examples as KV)")
     a1.fill_between(xs, [p["ci95"][0] for p in res["curve"]], [p["ci95"][1] for p in res["curve"]], alpha=0.2)
     for name, style in (("base_greedy", "--"), (f"base_best_of_{n}", ":")):

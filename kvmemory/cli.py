@@ -180,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--attempts", type=_positive_int, default=1, metavar="N",
                     help="answers to draw until one verifies (first greedy, then sampled; default 1)")
     sp.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N", help="default 256")
+    sp.add_argument("--recompute", type=float, default=0.0, metavar="R",
+                    help="fraction of the examples' tokens to recompute so the examples after the first see "
+                         "each other (0..1; 1 = as text; default 0)")
     sp.add_argument("--no-learn", action="store_true", help="do not add a verified solution to the library")
     sp.add_argument("--json", action="store_true", help="print JSON")
     model_arg(sp)
@@ -464,7 +467,8 @@ def cmd_learn(args) -> int:
 def cmd_solve(args) -> int:
     with _open(args) as mem:
         sol = mem.solve(args.problem, verify=None if args.answer is None else f"answer:{args.answer}", k=args.k,
-                        attempts=args.attempts, max_new_tokens=args.max_new_tokens, learn=not args.no_learn)
+                        attempts=args.attempts, max_new_tokens=args.max_new_tokens, learn=not args.no_learn,
+                        recompute=args.recompute)
     if args.json:
         print(json.dumps({"text": sol.text, "answer": sol.answer, "verified": sol.verified, "sources": sol.sources,
                           "learned": sol.learned.entry_id if sol.learned else None, "stats": sol.stats}, indent=1))

@@ -316,7 +316,7 @@ def _sampler(temperature: float, seed: int):
 @torch.inference_mode()
 def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
           temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
-          reuse: bool = True) -> Solution:
+          reuse: bool = True, recompute: float = 0.0) -> Solution:
     from kvmemory import kv as kvops
     from kvmemory.decode import greedy
     from kvmemory.device import ids_tensor, to_model
@@ -330,6 +330,8 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         raise InputError(f"temperature must be > 0, got {temperature!r}")
     if examples_as not in ("kv", "text"):
         raise InputError(f"examples_as must be 'kv' or 'text', got {examples_as!r}")
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise InputError(f"recompute must be a number in [0, 1], got {recompute!r}")
     fn, vname = resolve_verifier(verify)
     t0 = time.perf_counter()
     model = mem.model
@@ -382,11 +384,20 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         cache = None
         prefill = ctx_ids + q_ids
     graft_s = time.perf_counter() - t
-    if cache is None:
-        from transformers import DynamicCache
-        cache = DynamicCache(config=model.config)
-    for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored):
-        pass
+    recomputed = 0
+    if cache is not None and recompute > 0 and rerotated > 0:
+        # the examples after the first never saw each other: recompute the tokens that deviate most
+        from kvmemory.blend import blend_prefill
+        logits, blended, bs = blend_prefill(model, to_model(kv, model), ctx_ids, prefill, float(recompute),
+                                            exact_tokens=exact)
+        recomputed = bs.recomputed
+        cache = kvops.make_cache(blended, model.config)
+    else:
+        if cache is None:
+            from transformers import DynamicCache
+            cache = DynamicCache(config=model.config)
+        for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored):
+            pass
     ttft = time.perf_counter() - t0
     # every attempt starts from the same prefilled KV (a copy; the first may use it in place)
     snapshot = kvops.cache_slice(cache, 0, restored + len(prefill)) if attempts > 1 else None
@@ -411,6 +422,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     return Solution(text, extract_answer(text), ok, [e.entry_id for e in chosen], {
         "repeated": False, "examples": len(chosen), "examples_as": examples_as, "attempts": a + 1,
         "tokens_restored": restored, "tokens_exact": exact, "tokens_rerotated": rerotated,
+        "tokens_recomputed": recomputed,
         "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname, "learn_skipped": learn_skipped,
         "timings_s": {"graft": graft_s, "ttft": ttft, "total": time.perf_counter() - t0}}, learned,
         logits.float().cpu())

@@ -508,21 +508,24 @@ class Memory:
     @_locked
     def solve(self, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
               temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
-              reuse: bool = True):
+              reuse: bool = True, recompute: float = 0.0):
         """Solve a problem with the k nearest verified solutions grafted as worked examples.
 
         Returns Solution(text, answer, verified, sources, stats). The first example sits at its stored
         positions (its exact state); the others are re-rotated to follow it; only the problem is
-        prefilled. A problem already in the library restores its state up to "Answer:" and decodes
-        the answer alone (stats["repeated"]); should that answer differ from the stored verified
-        one, the stored solution is returned (stats["answer_from"] == "library"). With `verify`, up
+        prefilled. recompute=r (0 < r <= 1) recomputes the fraction r of the examples' tokens whose
+        K/V deviate most from the examples seen together (as `ask` does; 1.0 = the examples
+        re-prefilled as text); examples after the first were computed alone, so without it they do
+        not see each other. A problem already in the library restores its verified state through
+        the solution's last token and decodes one token (stats["repeated"]; the answer is the
+        stored verified one, stats["answer_from"] == "library"). With `verify`, up
         to `attempts` answers are drawn (the first greedy, then sampled at `temperature`, seeded)
         until one verifies, and a verified one is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline);
         reuse=False never answers from a stored solution of the same problem."""
         from kvmemory.library import solve
         return solve(self, self.library, problem, verify=verify, k=k, attempts=attempts,
                      max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, examples_as=examples_as,
-                     learn=learn, reuse=reuse)
+                     learn=learn, reuse=reuse, recompute=recompute)
 
     # ------------------------------------------------------------------ maintenance
     @_locked

@@ -129,6 +129,34 @@ def test_window_first_example_exact_others_rerotated(tmem):
     assert torch.allclose(kv[0, 1, :, exact:], ref[0, 1, :, exact:], atol=1e-5)
 
 
+def test_solve_recompute_lets_the_examples_see_each_other(tmem):
+    """recompute=1.0 recomputes every grafted token: the same first logits as the examples
+    re-prefilled as text (up to kernel order); 0 < r < 1 recomputes a share of the examples after
+    the first (the first, exact at its own positions, is never recomputed below 1.0)."""
+    for x, y in ((1, 2), (4, 4), (3, 5)):
+        tmem.learn(f"Add {x} and {y}.", f"{x} + {y} = {x + y}.\nAnswer: {x + y}", verify=f"answer:{x + y}")
+    q = "Add 2 and 6."
+    graft = tmem.solve(q, k=3, max_new_tokens=4, learn=False)
+    text = tmem.solve(q, k=3, max_new_tokens=4, learn=False, examples_as="text")
+    full = tmem.solve(q, k=3, max_new_tokens=4, learn=False, recompute=1.0)
+    part = tmem.solve(q, k=3, max_new_tokens=4, learn=False, recompute=0.2)
+    assert graft.sources == text.sources == full.sources == part.sources and len(graft.sources) == 3
+    st = full.stats
+    assert st["tokens_recomputed"] == st["tokens_restored"] and graft.stats["tokens_recomputed"] == 0
+    assert st["tokens_prefilled"] == graft.stats["tokens_prefilled"]
+    torch.testing.assert_close(full.first_logits, text.first_logits, atol=2e-3, rtol=1e-4)
+    d_graft = (graft.first_logits - text.first_logits).abs().max()
+    d_full = (full.first_logits - text.first_logits).abs().max()
+    assert d_full < d_graft                          # the graft alone is further from the text
+    ps = part.stats
+    assert 0 < ps["tokens_recomputed"] <= ps["tokens_restored"] - ps["tokens_exact"]
+    assert ps["tokens_recomputed"] == round(0.2 * ps["tokens_restored"]) or \
+        ps["tokens_recomputed"] == ps["tokens_restored"] - ps["tokens_exact"]
+    for bad in (-0.1, 1.5, "half", True):
+        with pytest.raises(InputError):
+            tmem.solve(q, recompute=bad)
+
+
 def test_cli_learn_and_solve(tmp_path, tiny_dir, capsys):
     f = tmp_path / "sol.jsonl"
     f.write_text("\n".join(json.dumps(d) for d in [
@@ -145,6 +173,12 @@ def test_cli_learn_and_solve(tmp_path, tiny_dir, capsys):
     assert main(["solve", str(store), "Add 1 and 2.", "--json", "--model", str(tiny_dir)]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["stats"]["repeated"] and res["stats"]["tokens_prefilled"] == 1
+    assert main(["solve", str(store), "Add 5 and 2.", "--recompute", "1.5", "--model", str(tiny_dir)]) == 1
+    assert "recompute must be" in capsys.readouterr().err
+    assert main(["solve", str(store), "Add 5 and 2.", "--recompute", "0.5", "--no-learn", "--json",
+                 "--max-new-tokens", "2", "--model", str(tiny_dir)]) == 0
+    res = json.loads(capsys.readouterr().out)       # one example, at its own positions: nothing to recompute
+    assert res["stats"]["examples"] == 1 and res["stats"]["tokens_recomputed"] == 0
     assert main(["solve", str(tmp_path / "missing.kvm"), "x", "--model", str(tiny_dir)]) == 1
 
 
