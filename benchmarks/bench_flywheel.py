@@ -205,7 +205,7 @@ def print_table(res: dict, n: int) -> None:
               f"{c['prefilled_mean']:9.1f} {c['restored_mean']:8.1f} {c['ttft_median']:7.3f}")
     ks = k_sweep(res)
     if ks:
-        print(f"\nseeded library, greedy, k examples: KV vs the same examples as text")
+        print("\nseeded library, greedy, k examples: KV vs the same examples as text")
         print(f"{'k':>3} {'acc KV':>7} {'acc text':>8} {'restored':>8} {'TTFT KV':>8} {'TTFT text':>9} {'ratio':>6}")
         for k, kv, tx, bl in ks:
             print(f"{k:>3} {kv['accuracy']:7.2f} {tx['accuracy']:8.2f} {kv['restored_mean']:8.1f} "

@@ -374,18 +374,19 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     if chosen and examples_as == "kv":
         kv, ctx_ids, exact = lib.window_kv(chosen)
         restored, rerotated = len(ctx_ids), len(ctx_ids) - exact
-        cache = kvops.make_cache(to_model(kv, model), model.config)
+        blend = recompute > 0 and rerotated > 0           # else the graft is the cache as it stands
+        cache = None if blend else kvops.make_cache(to_model(kv, model), model.config)
         prefill = q_ids
     else:
         ctx_ids = list(lib.prelude_ids)                 # the same tokens as text: nothing read from the store
         for e in chosen:
             ctx_ids += lib.turn_ids(e.problem, e.solution)
         restored, rerotated, exact = 0, 0, 0
-        cache = None
+        cache, blend = None, False
         prefill = ctx_ids + q_ids
     graft_s = time.perf_counter() - t
     recomputed = 0
-    if cache is not None and recompute > 0 and rerotated > 0:
+    if blend:
         # the examples after the first never saw each other: recompute the tokens that deviate most
         from kvmemory.blend import blend_prefill
         logits, blended, bs = blend_prefill(model, to_model(kv, model), ctx_ids, prefill, float(recompute),
