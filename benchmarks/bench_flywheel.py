@@ -165,26 +165,19 @@ def main() -> None:
             if args.recompute:
                 C[f"seeded_{S}_k{k}_r{args.recompute:g}"] = run(seeded, evals, f"seeded k={k} blend", bar, k=k,
                                                                 reuse=False, recompute=args.recompute, **kw)
-        if args.seeded_only:
-            seeded.close()
-            mem.close()
-            return finish(res, args, t_start)
-        C[f"seeded_{args.seeded}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
-                                                          attempts=args.n, reuse=False, **kw)
-        # repeated: problems the libraries hold, asked again, against the model alone on the same problems
-        again = seeds[: args.repeat]
-        C["repeated"] = run(seeded, again, "repeated", bar, k=args.k, **kw)
-        C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n, reuse=False,
-                                                   **kw)
-        learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
-        if learned:
-            C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
+        if not args.seeded_only:
+            C[f"seeded_{S}_best_of_{args.n}"] = run(seeded, evals, "seeded best-of-N", bar, k=args.k,
+                                                    attempts=args.n, reuse=False, **kw)
+            # repeated: problems the libraries hold, asked again, against the model alone on the same problems
+            again = seeds[: args.repeat]
+            C["repeated"] = run(seeded, again, "repeated", bar, k=args.k, **kw)
+            C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n,
+                                                       reuse=False, **kw)
+            learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
+            if learned:
+                C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
         seeded.close()
         mem.close()
-    finish(res, args, t_start)
-
-
-def finish(res: dict, args, t_start: float) -> None:
     res["elapsed_s"] = time.perf_counter() - t_start
     stamp = datetime.now().strftime("%Y-%m-%d")
     out = Path(args.out)
@@ -193,7 +186,7 @@ def finish(res: dict, args, t_start: float) -> None:
     path.write_text(json.dumps(res, indent=1))
     print_table(res, args.n)
     plot(res, args.n, out / f"flywheel-{stamp}.png")
-    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {res['seed']}; {res['elapsed_s']:.0f} s")
+    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")
 
 
 def print_table(res: dict, n: int) -> None:
