@@ -20,6 +20,7 @@ Accuracy: the answer's final line matches (kvmemory.library.answer_is), with a 9
 interval. Decoded / prefilled tokens and TTFT per problem. JSON + PNG (the flywheel curve).
 
     python benchmarks/bench_flywheel.py --stream 200 --eval 40 --checkpoints 10,50,200 --seeded 200
+    python benchmarks/bench_flywheel.py --stream 200 --checkpoints 10,50,200 --seeded 0   # the curve alone
     python benchmarks/bench_flywheel.py --stream 40 --eval 20 --checkpoints 10,40     # ~35 min, 2 cores
 """
 
@@ -86,7 +87,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="worked examples grafted")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=12, help="learned problems asked again")
-    ap.add_argument("--seeded", type=int, default=50, help="program-written worked solutions in the seeded library")
+    ap.add_argument("--seeded", type=int, default=50,
+                    help="program-written worked solutions in the seeded library (0: none; no seeded runs)")
     ap.add_argument("--sweep-k", default="", metavar="K,K,...",
                     help="also answer the eval problems greedily with these k of the seeded library, as KV and as "
                          "text (accuracy and the TTFT ratio as the grafted context grows)")
@@ -104,6 +106,8 @@ def main() -> None:
         print_table(res, res["args"]["n"])
         plot(res, res["args"]["n"], Path(args.replot).with_suffix(".png"))
         return
+    if args.seeded_only and not args.seeded:
+        ap.error("--seeded-only needs a seeded library (--seeded N, N > 0)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     checkpoints = sorted({min(int(c), args.stream) for c in args.checkpoints.split(",")})
@@ -144,6 +148,28 @@ def main() -> None:
         if not args.seeded_only:
             C["flywheel_stream"] = summarize(stream_rows)
             C["text_few_shot"] = run(mem, evals, "text few-shot", bar, k=args.k, reuse=False, examples_as="text", **kw)
+        if args.seeded:          # --seeded 0: the stream's curve alone, no seeded library
+            seeded_conditions(args, res, mem, evals, seeds, bar, kw)
+        if not args.seeded_only:
+            learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
+            if learned:
+                C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
+        mem.close()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    stamp = datetime.now().strftime("%Y-%m-%d")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"flywheel-{stamp}.json"
+    path.write_text(json.dumps(res, indent=1))
+    print_table(res, args.n)
+    plot(res, args.n, out / f"flywheel-{stamp}.png")
+    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")
+
+
+def seeded_conditions(args, res: dict, mem, evals, seeds, bar, kw) -> None:
+    """The seeded library (a second store on the same model), and the repeated conditions."""
+    C = res["conditions"]
+    with tempfile.TemporaryDirectory(prefix="kvm-seeded-") as tmp:
         # the seeded library: a second store on the same model
         seeded = kvmemory.Memory(Path(tmp) / "seeded.kvm", model=(mem.model, mem.tokenizer))
         t = time.perf_counter()
@@ -173,20 +199,7 @@ def main() -> None:
             C["repeated"] = run(seeded, again, "repeated", bar, k=args.k, **kw)
             C[f"repeated_base_best_of_{args.n}"] = run(mem, again, "repeated base", bar, k=0, attempts=args.n,
                                                        reuse=False, **kw)
-            learned = [(r["family"], r["problem"], r["answer"], "") for r in stream_rows if r["learned"]]
-            if learned:
-                C["repeated_stream"] = run(mem, learned[: args.repeat], "repeated stream", bar, k=args.k, **kw)
         seeded.close()
-        mem.close()
-    res["elapsed_s"] = time.perf_counter() - t_start
-    stamp = datetime.now().strftime("%Y-%m-%d")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"flywheel-{stamp}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print_table(res, args.n)
-    plot(res, args.n, out / f"flywheel-{stamp}.png")
-    print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")
 
 
 def print_table(res: dict, n: int) -> None:
@@ -283,7 +296,8 @@ def plot(res: dict, n: int, path: Path) -> None:
     a1.legend(fontsize=7)
     a2.plot(xs, [p["decoded_mean"] for p in res["curve"]], "o-", label="flywheel")
     a2.axhline(C[f"base_best_of_{n}"]["decoded_mean"], ls=":", color="gray", label=f"base best-of-{n}")
-    a2.axhline(C["repeated"]["decoded_mean"], ls="-.", color="green", label="repeated (restored)")
+    if "repeated" in C:
+        a2.axhline(C["repeated"]["decoded_mean"], ls="-.", color="green", label="repeated (restored)")
     a2.set_yscale("log")
     a2.set_xlabel("verified solutions in the library")
     a2.set_ylabel("decoded tokens per problem")

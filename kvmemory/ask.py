@@ -97,6 +97,14 @@ def sources_of(window: WindowPlan) -> list[tuple[str, int, int, float]]:
 
 
 @torch.inference_mode()
+def check_recompute(recompute) -> None:
+    """recompute (ask and solve): the fraction of the grafted tokens to recompute, a number in [0, 1]
+    (not a boolean)."""
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise InputError(f"recompute is the fraction of the grafted tokens to recompute, a number in [0, 1], "
+                         f"got {recompute!r}")
+
+
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
         recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE,
         on_token=None, doc_filter=None) -> Answer:
@@ -107,8 +115,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         raise InputError(f"top_k and max_new_tokens must be >= 1, got {top_k} and {max_new_tokens}")
     if not isinstance(min_relevance, (int, float)) or not 0.0 <= min_relevance <= 1.0:
         raise InputError(f"min_relevance is a fraction of the best block's BM25 score in [0, 1], got {min_relevance!r}")
-    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise InputError(f"recompute is a fraction of the window's tokens in [0, 1], got {recompute!r}")
+    check_recompute(recompute)
     check_selector(selector)
     store = mem.require_store()
     store.refresh()

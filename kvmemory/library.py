@@ -158,6 +158,11 @@ class Library:
         self._vecs: dict[str, np.ndarray] = {}
         self._index: tuple | None = None             # (entry ids, faiss index) of the last verified pool
         self._prelude: list[int] | None = None
+        # verified states of recently used entries, in host RAM (a quarter of the pager's budget):
+        # an entry's state is immutable (its id is the hash of its tokens), so a copy read and
+        # digest-checked once serves every later solve without another store round trip
+        from kvmemory.pager.lru import LRUTier
+        self.states = LRUTier("library", mem.runtime.host_cache_bytes // 4)
 
     # ---- prompt pieces (token ids)
     @property
@@ -276,6 +281,15 @@ class Library:
         return [(pool[int(i)], float(s)) for s, i in zip(scores[0], idx[0]) if i >= 0]
 
     # ---- the window of worked examples
+    def state(self, entry_id: str):
+        """The verified state of an entry: from the host-RAM tier, or a verified read of the store
+        (then kept). A state that was forgotten from the store is not served from RAM either."""
+        st = self.states.get(entry_id)
+        if st is None or entry_id not in self.mem.require_store().manifest.states:
+            st = self.mem.load(entry_id)
+            self.states.put(entry_id, st, st.kv.numel() * st.kv.element_size())
+        return st
+
     def window_kv(self, chosen: list[Entry]) -> tuple[torch.Tensor, list[int], int]:
         """KV of prelude + the chosen examples in order: [L, 2, H, T, D], their token ids, and how
         many leading tokens are exact (the first example's state, at its own positions)."""
@@ -285,7 +299,7 @@ class Library:
         exact = 0
         freqs = inv_freq(self.mem.model)
         for i, e in enumerate(chosen):
-            st = self.mem.load(e.entry_id)
+            st = self.state(e.entry_id)
             if st.token_ids[:P] != self.prelude_ids:
                 raise StoreCorruptError(f"library entry {e.entry_id} does not start with the library prelude")
             if i == 0:
@@ -318,6 +332,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
           temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
           reuse: bool = True, recompute: float = 0.0) -> Solution:
     from kvmemory import kv as kvops
+    from kvmemory.ask import check_recompute
     from kvmemory.decode import greedy
     from kvmemory.device import ids_tensor, to_model
 
@@ -330,8 +345,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         raise InputError(f"temperature must be > 0, got {temperature!r}")
     if examples_as not in ("kv", "text"):
         raise InputError(f"examples_as must be 'kv' or 'text', got {examples_as!r}")
-    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise InputError(f"recompute must be a number in [0, 1], got {recompute!r}")
+    check_recompute(recompute)
     fn, vname = resolve_verifier(verify)
     t0 = time.perf_counter()
     model = mem.model
@@ -340,14 +354,16 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     # last token, decode one token (the model, at the end of its own verified solution, should end
     # the turn). The answer is the stored verified one: nothing is recomputed.
     lib.refresh()                                  # once per solve (on S3 a LIST): find and nearest use it
+    ram0 = lib.states.stats.hits
     hit = lib.find(problem, refresh=False) if reuse else None
     if hit is not None:
-        st = mem.load(hit.entry_id)
+        st = lib.state(hit.entry_id)
         P_turn = len(lib.prelude_ids) + len(lib.turn_ids(hit.problem, None))
         ends = [i for i in range(P_turn, st.n_tokens) if st.token_ids[i] in mem.eos_ids]
         cut = (ends[0] if ends else st.n_tokens) - 1           # the last token of the solution
         if cut > P_turn:
-            cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut].contiguous(), model), model.config)
+            # views of the verified state (copy=False): the model's updates concatenate, never write in place
+            cache = kvops.make_cache(to_model(st.kv[:, :, :, :cut], model), model.config, copy=False)
             logits = kvops.last_logits(model, ids_tensor(st.token_ids[cut:cut + 1], model), cache)
             ttft = time.perf_counter() - t0
             nxt = int(logits.argmax())
@@ -357,6 +373,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
                 return Solution(text, extract_answer(text), ok if fn is not None else hit.verified, [hit.entry_id], {
                     "repeated": True, "answer_from": "library", "model_ends_turn": nxt in mem.eos_ids,
                     "tokens_restored": cut, "tokens_prefilled": 1, "tokens_decoded": 1, "tokens_exact": cut,
+                    "states_from_ram": lib.states.stats.hits - ram0,
                     "attempts": 1, "examples": 1, "verifier": vname,
                     "timings_s": {"ttft": ttft, "total": time.perf_counter() - t0}},
                     first_logits=logits.float().cpu())
@@ -375,7 +392,8 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         kv, ctx_ids, exact = lib.window_kv(chosen)
         restored, rerotated = len(ctx_ids), len(ctx_ids) - exact
         blend = recompute > 0 and rerotated > 0           # else the graft is the cache as it stands
-        cache = None if blend else kvops.make_cache(to_model(kv, model), model.config)
+        # the window is a fresh tensor of its own: the cache may start as views of it
+        cache = None if blend else kvops.make_cache(to_model(kv, model), model.config, copy=False)
         prefill = q_ids
     else:
         ctx_ids = list(lib.prelude_ids)                 # the same tokens as text: nothing read from the store
@@ -423,6 +441,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     return Solution(text, extract_answer(text), ok, [e.entry_id for e in chosen], {
         "repeated": False, "examples": len(chosen), "examples_as": examples_as, "attempts": a + 1,
         "tokens_restored": restored, "tokens_exact": exact, "tokens_rerotated": rerotated,
+        "states_from_ram": lib.states.stats.hits - ram0,
         "tokens_recomputed": recomputed,
         "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname, "learn_skipped": learn_skipped,
         "timings_s": {"graft": graft_s, "ttft": ttft, "total": time.perf_counter() - t0}}, learned,

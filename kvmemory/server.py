@@ -335,7 +335,8 @@ class Engine:
 
     def solve(self, q: dict) -> dict:
         sol = self.mem.solve(q["problem"], verify=None if q["answer"] is None else f"answer:{q['answer']}",
-                             k=q["k"], attempts=q["attempts"], max_new_tokens=q["max_new_tokens"], learn=q["learn"])
+                             k=q["k"], attempts=q["attempts"], max_new_tokens=q["max_new_tokens"], learn=q["learn"],
+                             recompute=q["recompute"])
         return {"text": sol.text, "answer": sol.answer, "verified": sol.verified, "sources": sol.sources,
                 "learned": sol.learned.entry_id if sol.learned else None, "stats": sol.stats}
 
@@ -515,7 +516,7 @@ def parse_learn(body: dict) -> dict:
 
 
 def parse_solve(body: dict) -> dict:
-    unknown = sorted(set(body) - {"problem", "answer", "k", "attempts", "max_new_tokens", "learn"})
+    unknown = sorted(set(body) - {"problem", "answer", "k", "attempts", "max_new_tokens", "learn", "recompute"})
     if unknown:
         raise _bad(unknown[0], f"unrecognized request argument: {unknown[0]}", "unknown_parameter")
     q = {"problem": _text_field(body, "problem", 8000), "answer": _expected_answer(body)}
@@ -527,6 +528,7 @@ def parse_solve(body: dict) -> dict:
     q["learn"] = body.get("learn", True)
     if not isinstance(q["learn"], bool):
         raise _bad("learn", "learn must be a boolean")
+    q["recompute"] = _number(body, "recompute", 0.0, 0.0, 1.0)
     return q
 
 

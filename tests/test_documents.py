@@ -218,6 +218,8 @@ def test_recompute_argument_is_checked(mem, rng):
             mem.ask("where?", recompute=bad)
         with pytest.raises(InputError, match="min_relevance"):
             mem.ask("where?", min_relevance=bad)
+    with pytest.raises(InputError, match="recompute"):        # a fraction, not a switch (as solve)
+        mem.ask("where?", recompute=True)
     p = len(mem.documents.prelude.ids)
     for top_k in (1, 3):
         st = mem.ask("copper falcon", top_k=top_k, recompute=0.5, expand=False, max_new_tokens=2).stats

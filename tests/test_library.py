@@ -129,6 +129,34 @@ def test_window_first_example_exact_others_rerotated(tmem):
     assert torch.allclose(kv[0, 1, :, exact:], ref[0, 1, :, exact:], atol=1e-5)
 
 
+def test_library_states_stay_in_ram_after_their_verified_read(tmem, monkeypatch):
+    """A hot library is grafted from host RAM: each entry's state is read (and digest-checked)
+    once; later solves take the same bytes from RAM, with the same first logits as cold reads.
+    A state forgotten from the store is not served from RAM."""
+    a = tmem.learn("Add 1 and 2.", "1 + 2 = 3.\nAnswer: 3", verify="answer:3")
+    b = tmem.learn("Add 4 and 4.", "4 + 4 = 8.\nAnswer: 8", verify="answer:8")
+    lib, reads, real = tmem.library, [], tmem.load
+    monkeypatch.setattr(tmem, "load", lambda sid: reads.append(sid) or real(sid))
+    s1 = tmem.solve("Add 2 and 5.", k=2, max_new_tokens=2, learn=False)
+    assert sorted(reads) == sorted([a.entry_id, b.entry_id]) and s1.stats["states_from_ram"] == 0
+    s2 = tmem.solve("Add 3 and 5.", k=2, max_new_tokens=2, learn=False)
+    assert len(reads) == 2 and s2.stats["states_from_ram"] == 2 and s2.stats["tokens_restored"] > 0
+    for e in (a, b):
+        fresh = real(e.entry_id)
+        assert torch.equal(lib.state(e.entry_id).kv, fresh.kv) and lib.state(e.entry_id).token_ids == fresh.token_ids
+    lib.states.discard([a.entry_id, b.entry_id])                  # cold again: read from the store
+    s3 = tmem.solve("Add 3 and 5.", k=2, max_new_tokens=2, learn=False)
+    assert len(reads) == 4 and s3.stats["states_from_ram"] == 0
+    assert torch.equal(s3.first_logits, s2.first_logits) and s3.text == s2.text
+    # the repeated-problem path takes its state from RAM too, and the RAM copy was never written
+    r = tmem.solve("Add 1 and 2.", max_new_tokens=2, learn=False)
+    assert r.stats["repeated"] and r.stats["states_from_ram"] == 1 and len(reads) == 4
+    assert torch.equal(lib.state(a.entry_id).kv, real(a.entry_id).kv)
+    tmem.forget_states([a.entry_id])
+    with pytest.raises(kvmemory.StateNotFoundError):
+        lib.state(a.entry_id)
+
+
 def test_solve_recompute_lets_the_examples_see_each_other(tmem):
     """recompute=1.0 recomputes every grafted token: the same first logits as the examples
     re-prefilled as text (up to kernel order); 0 < r < 1 recomputes a share of the examples after
@@ -174,7 +202,7 @@ def test_cli_learn_and_solve(tmp_path, tiny_dir, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["stats"]["repeated"] and res["stats"]["tokens_prefilled"] == 1
     assert main(["solve", str(store), "Add 5 and 2.", "--recompute", "1.5", "--model", str(tiny_dir)]) == 1
-    assert "recompute must be" in capsys.readouterr().err
+    assert "recompute is the fraction" in capsys.readouterr().err
     assert main(["solve", str(store), "Add 5 and 2.", "--recompute", "0.5", "--no-learn", "--json",
                  "--max-new-tokens", "2", "--model", str(tiny_dir)]) == 0
     res = json.loads(capsys.readouterr().out)       # one example, at its own positions: nothing to recompute

@@ -398,5 +398,13 @@ def test_learn_and_solve_endpoints(served):
     n = httpx.post(url + "/v1/solve", json={"problem": "Add 3 and 4.", "max_new_tokens": 4, "learn": False},
                    timeout=60).json()
     assert n["sources"] == [entry] and n["stats"]["tokens_restored"] > 0 and n["learned"] is None
-    for body in ({"problem": ""}, {"problem": "x", "attempts": 0}, {"problem": "x", "k": 99}, {"problem": "x", "learn": 1}):
+    assert n["stats"]["tokens_recomputed"] == 0
+    httpx.post(url + "/v1/learn", json={"problem": "Add 5 and 1.", "solution": "5 + 1 = 6.\nAnswer: 6", "answer": 6},
+               timeout=60).raise_for_status()
+    b = httpx.post(url + "/v1/solve", json={"problem": "Add 3 and 4.", "max_new_tokens": 4, "learn": False,
+                                           "recompute": 0.5}, timeout=60).json()
+    # the second example is recomputed (the first is exact at its own positions)
+    assert len(b["sources"]) == 2 and 0 < b["stats"]["tokens_recomputed"] <= b["stats"]["tokens_rerotated"]
+    for body in ({"problem": ""}, {"problem": "x", "attempts": 0}, {"problem": "x", "k": 99},
+                 {"problem": "x", "learn": 1}, {"problem": "x", "recompute": 1.5}, {"problem": "x", "recompute": True}):
         shaped(httpx.post(url + "/v1/solve", json=body), 400)
