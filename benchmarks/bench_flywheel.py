@@ -21,6 +21,7 @@ interval. Decoded / prefilled tokens and TTFT per problem. JSON + PNG (the flywh
 
     python benchmarks/bench_flywheel.py --stream 200 --eval 40 --checkpoints 10,50,200 --seeded 200
     python benchmarks/bench_flywheel.py --stream 200 --checkpoints 10,50,200 --seeded 0   # the curve alone
+    python benchmarks/bench_flywheel.py --seeded-only --sweep-k 3,8 --cold               # TTFT: KV, text, cold
     python benchmarks/bench_flywheel.py --stream 40 --eval 20 --checkpoints 10,40     # ~35 min, 2 cores
 """
 
@@ -53,6 +54,7 @@ def run(mem, problems, label: str, bar, **solve_kw) -> dict:
         rows.append({"family": fam, "problem": text, "answer": ans, "got": sol.answer, "ok": bool(sol.verified),
                      "decoded": st["tokens_decoded"], "prefilled": st["tokens_prefilled"],
                      "restored": st["tokens_restored"], "attempts": st["attempts"], "examples": st["examples"],
+                     "states_from_ram": st.get("states_from_ram", 0),
                      "repeated": st["repeated"], "ttft": st["timings_s"]["ttft"], "total": st["timings_s"]["total"],
                      "learned": sol.learned.entry_id if sol.learned else None,
                      # repeated problems: the answer is the stored verified one; this says whether the
@@ -95,6 +97,9 @@ def main() -> None:
     ap.add_argument("--recompute", type=float, default=0.0, metavar="R",
                     help="also answer the seeded library's conditions (each k) with the fraction R of the examples' "
                          "tokens recomputed (solve(recompute=R))")
+    ap.add_argument("--cold", action="store_true",
+                    help="also answer the seeded conditions' problems (k = --k) with the library's host-RAM tier "
+                         "off, every example read from the store: the TTFT the tier saves")
     ap.add_argument("--seeded-only", action="store_true",
                     help="only the seeded library's conditions (no base, stream or repeated runs)")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh")
@@ -181,6 +186,15 @@ def seeded_conditions(args, res: dict, mem, evals, seeds, bar, kw) -> None:
         C[f"seeded_{args.seeded}_text"] = run(seeded, evals, "seeded text", bar, k=args.k, reuse=False,
                                               examples_as="text", **kw)
         S = args.seeded
+        if args.cold:
+            # the same solves with the library's RAM tier off: every example read and verified from the store
+            tier = seeded.library.states
+            budget = tier.budget_bytes
+            tier.set_budget(0)
+            C[f"seeded_{S}_cold"] = cold = run(seeded, evals, "seeded cold", bar, k=args.k, reuse=False, **kw)
+            tier.set_budget(budget)
+            warm = C[f"seeded_{S}"]
+            res["cold_same_answers"] = all(a["got"] == b["got"] for a, b in zip(warm["rows"], cold["rows"]))
         if args.recompute:
             C[f"seeded_{S}_r{args.recompute:g}"] = run(seeded, evals, "seeded blend", bar, k=args.k, reuse=False,
                                                       recompute=args.recompute, **kw)
@@ -209,6 +223,11 @@ def print_table(res: dict, n: int) -> None:
         lo, hi = c["ci95"]
         print(f"{name:<24} {c['accuracy']:6.2f} {f'[{lo:.2f},{hi:.2f}]':>13} {c['n']:>4} {c['decoded_mean']:8.1f} "
               f"{c['prefilled_mean']:9.1f} {c['restored_mean']:8.1f} {c['ttft_median']:7.3f}")
+    cold = [c for name, c in res["conditions"].items() if name.endswith("_cold")]
+    if cold:
+        warm = res["conditions"][f"seeded_{res['args']['seeded']}"]
+        print(f"\nlibrary states from host RAM vs read from the store (k = {res['args']['k']}): TTFT "
+              f"{warm['ttft_median']:.3f} vs {cold[0]['ttft_median']:.3f} s, same answers: {res['cold_same_answers']}")
     ks = k_sweep(res)
     if ks:
         print("\nseeded library, greedy, k examples: KV vs the same examples as text")

@@ -29,7 +29,8 @@ def test_problem_families_are_exact(rng):
 def test_bench_flywheel_runs(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/bench_flywheel.py", "--stream", "2", "--eval", "2",
                         "--checkpoints", "1,2", "--n", "2", "--repeat", "2", "--seeded", "3", "--max-new-tokens", "6",
-                        "--sweep-k", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--sweep-k", "1", "--cold", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("flywheel-*.json")).read_text())
     C = res["conditions"]
@@ -40,6 +41,9 @@ def test_bench_flywheel_runs(tmp_path):
     assert C["seeded_3_k1"]["examples_mean"] == 1 and C["seeded_3"]["examples_mean"] == 3
     assert 0 < C["seeded_3_k1"]["restored_mean"] < C["seeded_3"]["restored_mean"]
     assert C["seeded_3_k1_text"]["restored_mean"] == 0 and "TTFT text" in p.stdout
+    # with the library's RAM tier off every example is read from the store, and the answers do not change
+    assert all(r["states_from_ram"] == 0 for r in C["seeded_3_cold"]["rows"]) and res["cold_same_answers"]
+    assert sum(r["states_from_ram"] for r in C["seeded_3"]["rows"]) > 0
     # seeded problems asked again come back from their stored states, right, in a few tokens
     rep = C["repeated"]
     assert rep["n"] == 2 and rep["accuracy"] == 1.0 and all(r["repeated"] for r in rep["rows"])
