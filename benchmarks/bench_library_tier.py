@@ -11,12 +11,9 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,24 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 from problems import draw  # noqa: E402
-
-
-def moto_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:                                     # until the server accepts connections
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                sys.exit("moto's server did not start (pip install 'moto[server]')")
-            time.sleep(0.2)
+from s3server import start_moto  # noqa: E402
 
 
 def measure(url: str, evals, seeds) -> dict:
@@ -75,7 +55,7 @@ def main() -> None:
     rng = random.Random(seed)
     evals = draw(rng, args.problems)
     seeds = draw(rng, args.seeded, avoid={p[1] for p in evals})
-    proc, endpoint = moto_server()
+    proc, endpoint = start_moto()
     try:
         import boto3
         os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",

@@ -34,8 +34,6 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
+from s3server import start_moto  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -120,28 +119,11 @@ def deposit(args, work: Path, rng: random.Random) -> dict:
     return rows
 
 
-def moto(port: int):
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
-
-
 def restore(args, work: Path, gen: torch.Generator) -> dict:
     import boto3
     from safetensors.torch import load_file, save_file
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = moto(port)
-    endpoint = f"http://127.0.0.1:{port}"
+    proc, endpoint = start_moto(timeout_s=30)
     opts = {"endpoint": endpoint, "access_key_id": "bench", "secret_access_key": "bench", "region": "us-east-1",
             "allow_http": True}
     try:
