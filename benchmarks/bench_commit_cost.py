@@ -33,8 +33,8 @@ GEOMETRY = {"tiny": (2, 2, 16), "default": (30, 3, 64)}   # layers, kv_heads, he
 def build(root: Path, tokens: int, geometry: str, doc_segments: int, rng: np.random.Generator,
           progress: bool = True) -> dict:
     from kvmemory import hashing
-    from kvmemory.manifest import DocEntry, Manifest, StateEntry
-    from kvmemory.store import BlockStore, NewBlock
+    from kvmemory.store.manifest import DocEntry, Manifest, StateEntry
+    from kvmemory.store import BlockStore, Change, NewBlock
     from kvmemory.store.info import describe
 
     L, H, D = GEOMETRY[geometry]
@@ -54,8 +54,8 @@ def build(root: Path, tokens: int, geometry: str, doc_segments: int, rng: np.ran
 
     def prelude(s):
         kv = base[:, :, :, :100].copy()
-        return [NewBlock(pid, -1, np.array(prelude_tokens), np.arange(100), kv)], \
-            {pid.hex(): StateEntry(last_row=next_row(s), n_tokens=100)}
+        return Change([NewBlock(pid, -1, np.array(prelude_tokens), np.arange(100), kv)],
+                      {pid.hex(): StateEntry(last_row=next_row(s), n_tokens=100)})
     store.commit(prelude)
     prelude_row = store.row_of(pid)
     seg_times, doc_times = [], []
@@ -87,7 +87,7 @@ def build(root: Path, tokens: int, geometry: str, doc_segments: int, rng: np.ran
                 new.append(NewBlock(bid, parent, np.array(t), pos, kv))
                 rows.append(row)
                 parent = row
-            return new, {}
+            return Change(new)
         t = time.perf_counter()
         store.commit(build_seg)
         seg_times.append(time.perf_counter() - t)
@@ -96,7 +96,7 @@ def build(root: Path, tokens: int, geometry: str, doc_segments: int, rng: np.ran
             entry = DocEntry(rows=list(doc_rows), n_tokens=len(doc_rows) * C, segments=doc_segments)
             name = f"doc{seg}"
             t = time.perf_counter()
-            store.commit(lambda s: ([], {}, {name: entry}, ()))
+            store.commit(lambda s: Change(docs={name: entry}))
             doc_times.append(time.perf_counter() - t)
             doc_rows = []
         if bar is not None:

@@ -32,8 +32,8 @@ from kvmemory.documents import SEGMENT_BLOCKS  # noqa: E402
 from kvmemory.index import VectorIndex  # noqa: E402
 from kvmemory.index import windows as win  # noqa: E402
 from kvmemory.index.lexical import LexicalIndex  # noqa: E402
-from kvmemory.manifest import DocEntry  # noqa: E402
-from kvmemory.store import NewBlock  # noqa: E402
+from kvmemory.store.manifest import DocEntry  # noqa: E402
+from kvmemory.store import Change, NewBlock  # noqa: E402
 
 QUESTIONS = ["What torque does the M8 bolt need?", "When was the bridge inspected last?",
              "Who signed the lease for the warehouse?", "How many pages does the manual have?",
@@ -60,7 +60,7 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
                 parent_row = prelude_row if parent_key is None else local.get(parent_key, s.row_of(parent_key))
                 local[bid] = s.next_row + len(new)
                 new.append(NewBlock(bid, parent_row, toks, pos, kv))
-            return new, {}
+            return Change(new)
         store.commit(build)
         rows.extend(store.row_of(b[0]) for b in batch)
         batch.clear()
@@ -100,8 +100,8 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
     kv_vecs = rng.standard_normal((len(rows), docs.dims["keys"])).astype(np.float32)
     keys.add([win.window_id(r, 0) for r in rows], kv_vecs / np.linalg.norm(kv_vecs, axis=1, keepdims=True))
     docs._save_index("keys", keys)
-    store.commit(lambda s: ([], {}, {"synthetic": DocEntry(rows=rows, n_tokens=n_tokens,
-                                                           segments=-(-n_tokens // seg_len))}, ()))
+    store.commit(lambda s: Change(docs={"synthetic": DocEntry(rows=rows, n_tokens=n_tokens,
+                                                              segments=-(-n_tokens // seg_len))}))
     disk = store.disk_bytes()
     mem.close()
     return time.perf_counter() - t0, disk

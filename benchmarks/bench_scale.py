@@ -48,9 +48,9 @@ import torch  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import hashing, kv as kvops  # noqa: E402
-from kvmemory.manifest import Manifest, StateEntry  # noqa: E402
-from kvmemory.store import BlockStore  # noqa: E402
-from kvmemory.store.objects import open_files  # noqa: E402
+from kvmemory.store.manifest import Manifest, StateEntry  # noqa: E402
+from kvmemory.store import BlockStore, Change  # noqa: E402
+from kvmemory.store.files import open_files  # noqa: E402
 
 WORDS = ("harbour lantern copper meadow signal orchard basalt thimble ferry quarry mill ledger granite beacon "
          "willow tide cart barley forge kettle river council market bridge tower garden winter summer").split()
@@ -144,7 +144,7 @@ def restore(args, work: Path, gen: torch.Generator) -> dict:
                 def build(s, ids=ids, tokens=tokens, kv=kv):
                     new, rows = s.plan_chain(ids, tokens, 0, -1,
                                              lambda j: kvops.to_storage(kv[:, :, :, j * C:(j + 1) * C]))
-                    return new, {ids[-1].hex(): StateEntry(last_row=rows[-1], n_tokens=len(tokens))}
+                    return Change(new, {ids[-1].hex(): StateEntry(last_row=rows[-1], n_tokens=len(tokens))})
                 store.commit(build)
             sid = ids[-1].hex()
             states.append(sid)

@@ -16,7 +16,7 @@ import torch
 
 from kvmemory import kv as kvops
 from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K
-from kvmemory.decode import greedy
+from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor, to_host
 from kvmemory.errors import EmptyStoreError, InputError, WindowExceededError
 from kvmemory.ops import gather_blocks
@@ -165,7 +165,9 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
-    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=_text_stream(mem, on_token))
+    stream = TextStream(mem.tokenizer, on_text=on_token, strip=True)
+    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=stream)
+    text = stream.finish(new)
     decode_s = time.perf_counter() - t
     exact = exact_tokens - window.prelude_tokens
     stats = {
@@ -187,26 +189,8 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                       "total": time.perf_counter() - t0},
         "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
     }
-    return Answer(mem.tokenizer.decode(new, skip_special_tokens=True).strip(), sources_of(window), stats,
+    return Answer(text, sources_of(window), stats,
                   window, to_host(logits).float())
-
-
-def _text_stream(mem, on_text):
-    """on_token for greedy(): calls on_text(delta) with the text the new tokens add (whole
-    characters); on_text returning True stops the decoding (a consumer that went away)."""
-    if on_text is None:
-        return None
-    sent = [""]
-
-    def on_token(ids: list[int]) -> bool:
-        text = mem.tokenizer.decode(ids, skip_special_tokens=True).strip()   # as the answer is
-        if text.endswith("\ufffd"):                  # an unfinished UTF-8 character: wait for the rest
-            return False
-        if text.startswith(sent[0]) and len(text) > len(sent[0]):
-            delta, sent[0] = text[len(sent[0]):], text
-            return bool(on_text(delta))               # True: stop decoding here
-        return False
-    return on_token
 
 
 def passages(mem, answer: Answer) -> list[dict]:

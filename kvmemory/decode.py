@@ -1,4 +1,6 @@
-"""The one decode loop (Memory.generate, ask, the server's chat, the benchmarks)."""
+"""Decoding in one place: the decode loop (Memory.generate, ask, solve, the server's chat, the
+integrations, the benchmarks), the sampler, and the text stream that turns decoded tokens into
+text deltas safe to send (stop strings, unfinished UTF-8 characters)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,73 @@ def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int
         out = model(input_ids=ids_tensor([nxt], model), past_key_values=cache, use_cache=True)
         nxt = pick(out.logits[0, -1])
     return new
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: torch.Generator | None = None) -> int:
+    """One token of logits [vocab]: argmax at temperature 0; otherwise drawn from softmax(logits / T)
+    restricted to the top_p nucleus (the most likely token is always kept), with `gen` (CPU) if given."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        p, idx = probs.sort(descending=True)
+        keep = p.cumsum(0) - p < top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sampler(temperature: float, top_p: float = 1.0, seed: int | None = None):
+    """pick(logits) for greedy(): `sample` with its own generator (seeded: reproducible draws)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return lambda logits: sample(logits, temperature, top_p, gen)
+
+
+class TextStream:
+    """The on_token callback of greedy() for text: decodes the tokens so far and hands
+    on_text(delta) only text that will not change: an unfinished UTF-8 character (U+FFFD at the
+    end) and a tail that may be the start of a stop string are held back. At a stop string the
+    text ends before it (self.stopped); on_text returning True halts the decoding (self.halted:
+    a consumer that went away). strip=True streams the answer as ask returns it (.strip()).
+    After decoding, finish(ids) sends what is left and returns the whole text."""
+
+    def __init__(self, tokenizer, stops=(), on_text=None, strip: bool = False) -> None:
+        self.tokenizer, self.on_text, self.strip = tokenizer, on_text, strip
+        self.stops = [s for s in stops if s]
+        self.text, self.sent = "", 0
+        self.stopped = self.halted = False
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text.strip() if self.strip else text
+
+    def __call__(self, ids: list[int]) -> bool:
+        text = self._decode(ids)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        self.text = text
+        safe = len(text)
+        if not self.stopped:
+            while safe and text[safe - 1] == "\ufffd":
+                safe -= 1
+            safe -= max((k for s in self.stops for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
+        self._send(safe)
+        return self.stopped or self.halted
+
+    def _send(self, upto: int) -> None:
+        if self.on_text is None or upto <= self.sent or self.halted:
+            return
+        if self.on_text(self.text[self.sent:upto]):
+            self.halted = True
+        self.sent = upto
+
+    def finish(self, ids: list[int]) -> str:
+        """The whole text of `ids` (cut at a stop string), its unsent rest sent."""
+        if not self.stopped:
+            self.text = self._decode(ids)
+        self._send(len(self.text))
+        return self.text
 
 
 def eos_ids(tokenizer, model) -> set[int]:

@@ -22,14 +22,15 @@ import numpy as np
 import torch
 import xxhash
 
-from kvmemory import hashing, kv as kvops
+from kvmemory import hashing, kv as kvops, prompts
 from kvmemory.errors import DocumentNotFoundError, InputError, StoreError
 from kvmemory.index import INDEXES, VectorIndex
 from kvmemory.index import windows as win
 from kvmemory.index.lexical import LexicalIndex
 from kvmemory.index import keys as keysel
-from kvmemory.manifest import DocEntry
-from kvmemory.store.zarr_store import INDEX_DIR
+from kvmemory.store import Change
+from kvmemory.store.manifest import DocEntry
+from kvmemory.store.layout import INDEX_DIR
 
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
 # derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
@@ -67,10 +68,8 @@ class Prelude:
         self.tokenizer = tokenizer
         self.layout = layout
         if getattr(tokenizer, "chat_template", None):
-            msgs = [{"role": "system", "content": layout.system},
-                    {"role": "user", "content": layout.intro + self.MARK + layout.question}]
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            self.head, self.tail = text.split(self.MARK)
+            self.head, self.tail = prompts.split_at(tokenizer, layout.system,
+                                                    layout.intro + self.MARK + layout.question, self.MARK)
         else:
             self.head, self.tail = layout.intro, layout.question + "\nAnswer:"
         self.ids = tokenizer(self.head, add_special_tokens=False)["input_ids"]
@@ -342,7 +341,7 @@ class Documents:
             # under the writer lock: the vectors go into the index as it is on disk now, then the
             # document's entry is committed (a visible document is always indexed)
             self._update_indexes(found=found)
-            return [], {}, {doc_id: entry}, ()
+            return Change(docs={doc_id: entry})
         store.commit(build)
         return DocInfo(doc_id, entry.n_tokens, len(rows), entry.segments, source, entry.created)
 
@@ -376,7 +375,7 @@ class Documents:
         def build(s):
             new, got = s.plan_chain(chain, seg, p, prelude_row, lambda i: kvops.to_storage(kv[i]))
             rows[:] = got
-            return new, {}
+            return Change(new)
         self.mem.require_store().commit(build)
         return list(rows)
 
@@ -398,7 +397,7 @@ class Documents:
         def build(s):
             if doc_id not in s.manifest.docs:
                 raise DocumentNotFoundError(f"document {doc_id!r} was removed by another writer meanwhile")
-            return [], {}, {}, (doc_id,)
+            return Change(removed_docs=(doc_id,))
 
         def after(m):                               # committed (invisible from here on), still locked
             still = self.live_rows()                # blocks shared with another document stay indexed

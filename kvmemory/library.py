@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from kvmemory import prompts
+from kvmemory.decode import sampler
 from kvmemory.errors import (InputError, StoreCorruptError, StoreExistsError, VerificationError,
                              WindowExceededError)
 
@@ -174,17 +176,7 @@ class Library:
     def turn_ids(self, problem: str, solution: str | None = None) -> list[int]:
         """The tokens of one solved example after the prelude (user turn + assistant's solution and
         end of turn), or with solution None the user turn and the assistant's opening."""
-        tok = self.mem.tokenizer
-        sys_msg = [{"role": "system", "content": SYSTEM}]
-        head = tok.apply_chat_template(sys_msg, tokenize=False)
-        msgs = sys_msg + [{"role": "user", "content": problem}]
-        if solution is None:
-            full = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": solution}], tokenize=False)
-        if not full.startswith(head):
-            raise InputError("the chat template does not extend the system prompt; cannot build library turns")
-        return self.mem.tokenize(full[len(head):])
+        return self.mem.tokenize(prompts.turn_text(self.mem.tokenizer, problem, solution, system=SYSTEM))
 
     # ---- entries
     def refresh(self) -> None:
@@ -318,15 +310,6 @@ class Library:
 
 
 # ------------------------------------------------------------------ solve
-def _sampler(temperature: float, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-
-    def pick(logits: torch.Tensor) -> int:
-        p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        return int(torch.multinomial(p, 1, generator=gen))
-    return pick
-
-
 @torch.inference_mode()
 def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
           temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
@@ -423,7 +406,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     decoded, text, ok, learned = 0, "", None, None
     for a in range(attempts):
         run_cache = cache if a == 0 and snapshot is None else kvops.make_cache(snapshot, model.config)
-        pick = None if a == 0 else _sampler(float(temperature), seed + a)
+        pick = None if a == 0 else sampler(float(temperature), seed=seed + a)
         new = greedy(model, run_cache, logits, max_new_tokens, mem.eos_ids, pick=pick)
         decoded += len(new)
         text = mem.tokenizer.decode(new, skip_special_tokens=True).strip()

@@ -1,28 +1,33 @@
-"""Memory: the public entry point. A store on disk plus the model whose KV it holds."""
+"""Memory: the public entry point, a thin facade. It opens (or creates) a store, loads the model
+whose KV it holds, and wires the rooms that do the work:
+
+    states.py     save / load / resolve / forget / verify with recompute
+    documents.py  deposit, index, remove; ask.py and retrieve.py: select, graft, answer
+    library.py    the verified-solution library (learn / solve)
+    decode.py     the decode loop; prompts.py: every chat-template prompt
+"""
 
 from __future__ import annotations
 
 import functools
 import os
 import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kvmemory import hashing, kv as kvops
-from kvmemory.decode import eos_ids, greedy
-from kvmemory.device import ids_tensor, to_host, to_model
+from kvmemory import kv as kvops, prompts
 from kvmemory.config import RuntimeConfig, StoreConfig, from_env
-from kvmemory.errors import (InputError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError,
-                             WindowExceededError)
-from kvmemory.manifest import MANIFEST_NAME, Manifest, StateEntry
+from kvmemory.decode import eos_ids, greedy
+from kvmemory.device import ids_tensor
+from kvmemory.errors import InputError, ModelMismatchError, StoreError
 from kvmemory.model import fingerprint, geometry, load_model
+from kvmemory.states import State, StateInfo, States
 from kvmemory.store import BlockStore
-from kvmemory.store.objects import is_url, open_files
-from kvmemory.store.zarr_store import default_work_dir
 from kvmemory.store.info import describe
+from kvmemory.store.location import locate
+from kvmemory.store.manifest import Manifest
+
+__all__ = ["Memory", "State", "StateInfo"]
 
 
 def _locked(method):
@@ -32,44 +37,6 @@ def _locked(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return run
-
-
-@dataclass(frozen=True)
-class StateInfo:
-    id: str
-    n_tokens: int
-    label: str
-    created: float
-
-
-class State:
-    """A restorable attention state: a chain of blocks from position 0.
-
-    id: content address (hex of the last block id). token_ids: the tokens it covers.
-    kv: [layers, 2, kv_heads, n_tokens, head_dim] in the model's dtype (verified on load).
-    """
-
-    def __init__(self, id: str, token_ids: list[int], kv: torch.Tensor, config, label: str = "",
-                 device: torch.device | str = "cpu") -> None:
-        self.id = id
-        self.token_ids = token_ids
-        self.kv = kv
-        self.label = label
-        self._config = config
-        self._device = torch.device(device)
-        self.reused_tokens = 0          # save(): how many of its tokens came from the store
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def cache(self):
-        """A new transformers DynamicCache holding this state on the model's device; the model may extend it."""
-        kv = self.kv if self.kv.device == self._device else self.kv.to(self._device)
-        return kvops.make_cache(kv, self._config, copy=False)   # views of kv: the model never writes them
-
-    def __repr__(self) -> str:
-        return f"State(id={self.id[:16]}…, n_tokens={self.n_tokens}, label={self.label!r})"
 
 
 class Memory:
@@ -105,48 +72,46 @@ class Memory:
         self._lock = threading.RLock()
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
                                 store_cache_bytes=store_cache_bytes)
-        files = None
-        if is_url(path):
-            files = open_files(path, storage_options)       # typed errors for a bad URL, before the model loads
-            self.location = files.describe()
-            self.path = Path(work_dir) if work_dir is not None else default_work_dir(self.location)
+        # where the store is, before the model loads: a bad path or URL fails in milliseconds
+        loc = locate(path, must_exist=read_only, storage_options=storage_options, work_dir=work_dir)
+        self.location, self.path = loc.name, loc.root
+        if loc.remote:
             self.path.mkdir(parents=True, exist_ok=True)
-            exists = files.exists(MANIFEST_NAME)
-            if not exists and read_only:
-                raise StoreError(f"no kvmemory store at {self.location} (no {MANIFEST_NAME})")
-        else:
-            if storage_options is not None or work_dir is not None:
-                raise InputError("storage_options and work_dir apply only to an s3:// store")
-            self.path = Path(path)
-            self.location = str(self.path)
-            exists = _check_path(self.path, read_only)
-            if exists and not read_only and not os.access(self.path, os.W_OK):
-                read_only = True
+        elif loc.exists and not read_only and not os.access(self.path, os.W_OK):
+            read_only = True
         self.model, self.tokenizer, self.model_name = load_model(
             model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(), dtype=dtype)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
-        if exists:
-            self.store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
-                                    files=files, cache_bytes=self.runtime.store_cache_bytes)
-            if self.store.manifest.fingerprint != self.fingerprint:
-                raise ModelMismatchError(self.store.manifest.fingerprint, self.fingerprint, self.location)
-        else:
-            cfg = store_config or from_env(StoreConfig)
-            g = self.geometry
-            create = BlockStore.create if files is None else functools.partial(
-                BlockStore.create_remote, files, cache_bytes=self.runtime.store_cache_bytes)
-            self.store = create(self.path, Manifest(
-                fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
-                codec=cfg.codec, kv_dtype=g.dtype,
-                model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
-                       "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope}),
-                lock_timeout_s=self.runtime.lock_timeout_s)
+        self.store = self._open_store(loc, read_only, store_config) if loc.exists else \
+            self._create_store(loc, store_config)
         self._dtype = getattr(torch, self.geometry.dtype)
+        self.states_room = States(self.require_store, self.model, self.tokenizer, self.fingerprint, self.geometry,
+                                  self._dtype, self.location)
         self._pager = None
         self._documents = None
         self._library = None
         self._segment_blocks = segment_blocks
+
+    def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
+        store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
+                           files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
+        if store.manifest.fingerprint != self.fingerprint:
+            raise ModelMismatchError(store.manifest.fingerprint, self.fingerprint, self.location)
+        return store
+
+    def _create_store(self, loc, store_config) -> BlockStore:
+        cfg = store_config or from_env(StoreConfig)
+        g = self.geometry
+        manifest = Manifest(
+            fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
+            codec=cfg.codec, kv_dtype=g.dtype,
+            model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
+                   "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope})
+        if loc.remote:
+            return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
+                                            cache_bytes=self.runtime.store_cache_bytes)
+        return BlockStore.create(self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     @_locked
@@ -320,38 +285,11 @@ class Memory:
             raise StoreError(f"memory {self.location} is closed")
         return self.store
 
-    # ------------------------------------------------------------------ input
+    # ------------------------------------------------------------------ states (kvmemory/states.py)
     def tokenize(self, text_or_ids) -> list[int]:
         """Token ids of a prompt: str (UTF-8 text), bytes (must decode as UTF-8) or a list of ids."""
-        if isinstance(text_or_ids, (bytes, bytearray)):
-            try:
-                text_or_ids = bytes(text_or_ids).decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"input is not UTF-8 text: byte 0x{text_or_ids[e.start]:02x} at offset {e.start}") from None
-        if isinstance(text_or_ids, str):
-            if not text_or_ids.strip():
-                raise InputError("input text is empty")
-            ids = self.tokenizer(text_or_ids, add_special_tokens=False)["input_ids"]
-        else:
-            try:
-                ids = [int(i) for i in text_or_ids]
-            except (TypeError, ValueError):
-                raise InputError(f"expected text or a list of token ids, got {type(text_or_ids).__name__}") from None
-            vocab = self.model.get_input_embeddings().num_embeddings
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise InputError(f"token ids must be in 0..{vocab - 1}; got {bad[:5]}")
-        if not ids:
-            raise InputError("input has no tokens")
-        return ids
+        return self.states_room.tokenize(text_or_ids)
 
-    def _check_window(self, n: int, what: str) -> None:
-        if n > self.geometry.max_positions:
-            raise WindowExceededError(
-                f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
-                "split it, or deposit it as a document")
-
-    # ------------------------------------------------------------------ states
     @_locked
     def save(self, text_or_ids, label: str = "") -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
@@ -359,115 +297,42 @@ class Memory:
         Blocks already in the store (equal prefixes) are read back, verified, and not
         recomputed. The commit is atomic: a crash leaves the store at its previous commit.
         """
-        store = self.require_store()
-        ids = self.tokenize(text_or_ids)
-        self._check_window(len(ids), "the state")
-        C = store.manifest.block_tokens
-        chain = hashing.chain_ids(self.fingerprint, ids, C)
-        store.refresh()
-        have = 0
-        while have < len(chain) and store.row_of(chain[have]) is not None:
-            have += 1
-        prefix = self._read_chain([store.row_of(b) for b in chain[:have]])
-        computed: dict[int, torch.Tensor] = {}
-        reused = min(have * C, len(ids))
-        if have < len(chain):
-            cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
-            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
-                computed[p // C] = to_host(block_kv)
-        state_id = chain[-1].hex()
-
-        def kv_of(i: int):
-            return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])
-
-        def build(s: BlockStore):
-            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of)   # another writer may have committed some
-            if not new and state_id in s.manifest.states and not label:
-                return [], {}
-            return new, {state_id: StateEntry(last_row=rows[-1], n_tokens=len(ids), label=label, created=time.time())}
-
-        store.commit(build)
-        parts = [prefix] + [computed[i] for i in sorted(computed)]
-        kv = torch.cat(parts, dim=3) if len(parts) > 1 else prefix
-        st = State(state_id, ids, kv, self.model.config, label, self.model.device)
-        st.reused_tokens = reused          # tokens read back from the store instead of computed
-        return st
-
-    def _read_chain(self, rows: list[int]) -> torch.Tensor:
-        """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""
-        kv = kvops.from_storage(self.require_store().read_state_kv(rows), self._dtype)
-        kvops.check_geometry(kv, self.geometry)
-        return kv
+        return self.states_room.save(text_or_ids, label)
 
     @_locked
     def resolve(self, state_id: str) -> str:
         """Full id of a committed state given its id or a unique prefix of >= 8 hex digits."""
-        store = self.require_store()
-        store.refresh()
-        if not isinstance(state_id, str) or not state_id:
-            raise InputError(f"a state id is a hex string, got {state_id!r}")
-        states = store.manifest.states
-        if state_id in states:
-            return state_id
-        if len(state_id) >= 8:
-            hits = [s for s in states if s.startswith(state_id.lower())]
-            if len(hits) == 1:
-                return hits[0]
-            if len(hits) > 1:
-                raise InputError(f"state id prefix {state_id} is ambiguous: {len(hits)} states match")
-        raise StateNotFoundError(f"no state {state_id} in store {self.location}")
+        return self.states_room.resolve(state_id)
 
     @_locked
     def load(self, state_id: str) -> State:
         """Verified read of a committed state: every block digest-checked, ids re-derived."""
-        store = self.require_store()
-        sid = self.resolve(state_id)
-        entry = store.manifest.states[sid]
-        rows = store.chain(entry.last_row)
-        meta = store.block_meta(rows)
-        ids: list[int] = []
-        for toks, n in zip(meta["tokens"], meta["n_tokens"]):
-            ids.extend(int(t) for t in toks[:n])
-        # the chain's ids are hashes of its tokens: a damaged token array cannot pass this
-        expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens)
-        if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
-            raise StoreCorruptError(f"store {self.location}: state {sid}'s block ids do not match its tokens")
-        return State(sid, ids, self._read_chain(rows), self.model.config, entry.label, self.model.device)
+        return self.states_room.load(state_id)
 
     @_locked
     def forget_states(self, state_ids) -> int:
         """Remove states from the store's list (their blocks stay until gc, and are kept while another
         state or a document uses them). Unknown ids are skipped. Returns how many were removed."""
-        from kvmemory.store.zarr_store import Change
-        ids = [self.resolve(s) for s in state_ids if isinstance(s, str) and s in self.require_store().manifest.states]
-        if not ids:
-            return 0
-
-        def build(s):
-            return Change([], {}, {}, (), tuple(x for x in ids if x in s.manifest.states))
-        self.require_store().commit(build)
-        return len(ids)
+        return self.states_room.forget_states(state_ids)
 
     @_locked
     def states(self) -> list[StateInfo]:
-        store = self.require_store()
-        store.refresh()
-        return [StateInfo(k, v.n_tokens, v.label, v.created) for k, v in
-                sorted(store.manifest.states.items(), key=lambda kv: kv[1].created)]
+        return self.states_room.states()
+
+    @torch.inference_mode()
+    @_locked
+    def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
+        """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
+        return self.states_room.verify(recompute, progress)
 
     # ------------------------------------------------------------------ generation
     def chat_turn(self, text: str) -> str:
         """The chat-template text of one user turn followed by the assistant's opening."""
-        t = self.tokenizer
-        sys_msg = [{"role": "system", "content": "x"}]
-        full = t.apply_chat_template(sys_msg + [{"role": "user", "content": text}], tokenize=False,
-                                     add_generation_prompt=True)
-        head = t.apply_chat_template(sys_msg, tokenize=False)
-        return full[len(head):]
+        return prompts.turn_text(self.tokenizer, text)
 
     def system_prompt(self, text: str) -> str:
         """The chat-template text of a system prompt: save() it, then generate(..., chat=True)."""
-        return self.tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False)
+        return prompts.system_text(self.tokenizer, text)
 
     @torch.inference_mode()
     @_locked
@@ -480,7 +345,7 @@ class Memory:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         st = state if isinstance(state, State) else self.load(state)
         ids = self.tokenize(self.chat_turn(prompt) if chat and isinstance(prompt, str) else prompt)
-        self._check_window(st.n_tokens + len(ids) + max_new_tokens, "state + prompt + max_new_tokens")
+        self.states_room.check_window(st.n_tokens + len(ids) + max_new_tokens, "state + prompt + max_new_tokens")
         cache = st.cache()
         logits = kvops.last_logits(self.model, ids_tensor(ids, self.model), cache)
         new = greedy(self.model, cache, logits, max_new_tokens, self.eos_ids)
@@ -549,54 +414,6 @@ class Memory:
         store.refresh()
         return describe(store, with_states)
 
-    @torch.inference_mode()
-    @_locked
-    def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
-        """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
-        store = self.require_store()
-        store.refresh()
-        checked = store.verify_all(None if recompute else progress)
-        if not recompute:
-            return checked
-        rows = store.manifest.committed_rows()
-        meta = store.block_meta(rows)
-        children: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            children.setdefault(int(meta["parent"][i]), []).append(row)
-        at = {row: i for i, row in enumerate(rows)}
-        bad = list(checked)
-        e1_bad = {row for row, _ in checked}
-        cache = kvops.make_cache(None, self.model.config)
-        stack = [(r, 0) for r in reversed(children.get(-1, []))]   # (row, tokens before it)
-        while stack:
-            row, before = stack.pop()
-            if before:
-                kvops.truncate(cache, before)
-            else:
-                cache = kvops.make_cache(None, self.model.config)
-            k = int(meta["n_tokens"][at[row]])
-            name = meta["block_id"][at[row]].tobytes().hex()
-            toks = [int(t) for t in meta["tokens"][at[row]][:k]]
-            pos = meta["positions"][at[row]][:k]
-            if list(pos) != list(range(before, before + k)):
-                bad.append((row, f"block {name}: positions are not {before}..{before + k - 1}"))
-                continue
-            # a block is always computed as one chunk right after its parent chain
-            _, fresh, _ = next(kvops.prefill_blocks(self.model, toks, store.manifest.block_tokens, cache, before))
-            try:
-                stored = self._read_chain([row])
-            except StoreError:            # reported by E1 above; descendants continue from the recomputed KV
-                stored = None
-            if stored is not None and row not in e1_bad and not torch.equal(to_host(fresh), stored):
-                bad.append((row, f"block {name} (row {row}): recomputed KV differs from the stored bytes"))
-                kvops.truncate(cache, before)
-                kvops.extend(cache, to_model(stored, self.model))   # descendants: against the stored truth
-            if progress is not None:
-                progress.update(1)
-            stack.extend((c, before + k) for c in reversed(children.get(row, [])))
-        return bad
-
-
 def _bar(progress: bool, desc: str, total: int | None = None, unit: str = "tok"):
     """A tqdm bar when asked for and stderr is a terminal; None otherwise."""
     import sys
@@ -604,18 +421,3 @@ def _bar(progress: bool, desc: str, total: int | None = None, unit: str = "tok")
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True)
-
-
-def _check_path(path: Path, read_only: bool) -> bool:
-    """True if a store exists at path; raise if path cannot be (or must not be made) a store."""
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"{path} is a file, not a store directory")
-    if (path / MANIFEST_NAME).is_file():
-        return True
-    if read_only:
-        raise StoreError(f"no kvmemory store at {path} (no {MANIFEST_NAME})")
-    if path.exists() and any(path.iterdir()):
-        raise StoreError(f"{path} exists and is not a kvmemory store (no {MANIFEST_NAME}); "
-                         "refusing to write into it")
-    return False
-

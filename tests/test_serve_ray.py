@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 import httpx  # noqa: E402
 from ray import serve  # noqa: E402
 
-from kvmemory.serve_ray import order, route_key, serve_ray  # noqa: E402
+from kvmemory.server.ray import order, route_key, serve_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -228,7 +228,8 @@ def test_api_key_and_loopback_rule(tmp_path, tiny):
 
 
 def test_a_deposit_interrupted_by_a_restart_resumes(tmp_path, tiny, rng):
-    from kvmemory.server import Jobs, create_app
+    from kvmemory.server import create_app
+    from kvmemory.server.jobs import Jobs
     store = tmp_path / "r.kvm"
     mem = kvmemory.Memory(store, model=tiny, segment_blocks=1)
     jobs = Jobs(store / "serve")
@@ -312,7 +313,7 @@ def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path
 
 
 def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memory(served, rng):
-    from kvmemory.server import session_prefix
+    from kvmemory.server.sessions import session_prefix
     url, mem, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     msgs = [{"role": "system", "content": "You are a ship's log keeper."},

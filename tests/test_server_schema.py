@@ -1,5 +1,6 @@
-"""Schemathesis against the live server's OpenAPI schema (bounded for CI): no 5xx, and every status
-the server answers is one its schema documents. KVMEMORY_SCHEMA_EXAMPLES raises the bound."""
+"""Schemathesis against the live server's OpenAPI schema (bounded for CI): generated paths and request
+bodies for every operation, no 5xx, and every status the server answers is one its schema documents.
+KVMEMORY_SCHEMA_EXAMPLES raises the bound (cases per operation)."""
 
 import os
 import threading
@@ -27,25 +28,43 @@ def api_schema(tmp_path_factory, tiny):
     while not srv.started:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    yield schemathesis.openapi.from_url(url + "/openapi.json")
+    yield schemathesis.openapi.from_url(url + "/openapi.json"), url
     srv.should_exit = True
     t.join(timeout=10)
     mem.close()
+
+
+def test_every_post_declares_its_request_body(api_schema):
+    import httpx
+    _, url = api_schema
+    spec = httpx.get(url + "/openapi.json").json()
+    posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
+    assert len(posts) >= 5
+    for path, op in posts.items():
+        content = op.get("requestBody", {}).get("content", {})
+        assert content, f"POST {path} declares no request body"
+        for media, body in content.items():
+            assert body.get("schema"), f"POST {path} ({media}) has no schema"
 
 
 def test_no_server_error_and_only_documented_statuses(api_schema):
     from hypothesis import given
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import status_code_conformance
-    examples = int(os.environ.get("KVMEMORY_SCHEMA_EXAMPLES", "12"))
-    ran = 0
-    for result in api_schema.get_all_operations():
+    schema, _ = api_schema
+    examples = int(os.environ.get("KVMEMORY_SCHEMA_EXAMPLES", "25"))
+    ran, cases, with_body = 0, [0], [0]
+    for result in schema.get_all_operations():
         op = result.ok()
 
         @given(case=op.as_strategy())
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
+            cases[0] += 1
+            with_body[0] += case.operation.method.upper() == "POST"
             case.call_and_validate(checks=[not_a_server_error, status_code_conformance], timeout=60)
         check()
         ran += 1
+    print(f"\nschemathesis: {cases[0]} cases over {ran} operations, {with_body[0]} with a generated body")
     assert ran >= 10                                   # every route of the server was exercised
+    assert with_body[0] >= 5 * examples // 2           # POST bodies were generated, not only paths

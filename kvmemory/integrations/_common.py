@@ -69,17 +69,6 @@ def stream_call(fn) -> Iterator[tuple[str, object]]:
         gone.set()
 
 
-def chat_ids(mem, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ending with the assistant's opening."""
-    for m in messages:
-        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise InputError(f"a message needs a role of system/user/assistant and str content, got {m!r}")
-    if not messages:
-        raise InputError("no messages")
-    return list(mem.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                  return_dict=False))
-
-
 @torch.inference_mode()
 def chat_complete(mem, messages: list[dict], max_new_tokens: int = 256, stop=None, on_text=None
                   ) -> tuple[str, dict]:
@@ -88,57 +77,29 @@ def chat_complete(mem, messages: list[dict], max_new_tokens: int = 256, stop=Non
 
     stop: strings that end the answer (not included). on_text(delta) streams the answer; returning
     True stops it."""
-    from kvmemory import kv as kvops
-    from kvmemory.ask import _text_stream
-    from kvmemory.decode import greedy
+    from transformers import DynamicCache
+
+    from kvmemory import kv as kvops, prompts
+    from kvmemory.decode import TextStream, greedy
 
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    stops = [s for s in (stop or []) if s]
     t0 = time.perf_counter()
-    ids = chat_ids(mem, messages)
+    ids = prompts.chat_ids(mem.tokenizer, messages)
     room = mem.geometry.max_positions - max_new_tokens
     if len(ids) > room:
         raise WindowExceededError(f"the prompt is {len(ids)} tokens; at most {room} fit the model's window with "
                                   f"{max_new_tokens} answer tokens")
-    from transformers import DynamicCache
-
     with mem.exclusive():
         cache = DynamicCache(config=mem.model.config)
         for _, _, logits in kvops.prefill_blocks(mem.model, ids, mem.block_tokens, cache):
             pass
         ttft = time.perf_counter() - t0
-        st = {"text": "", "sent": 0, "stopped": False}
-
-        def on_delta(delta: str) -> bool:
-            text = st["text"] + delta
-            cut = _first_stop(text, stops)
-            if cut >= 0:
-                text, st["stopped"] = text[:cut], True
-                safe = cut
-            else:           # hold back a tail that may be the start of a stop string
-                safe = len(text) - max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
-                                       default=0)
-            st["text"] = text
-            halt = False
-            if on_text is not None and safe > st["sent"]:
-                halt = bool(on_text(text[st["sent"]:safe]))
-                st["sent"] = safe
-            return halt or st["stopped"]
-
+        stream = TextStream(mem.tokenizer, stop or [], on_text, strip=True)
         t = time.perf_counter()
-        new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=_text_stream(mem, on_delta))
+        new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=stream)
         decode_s = time.perf_counter() - t
-    if st["stopped"]:
-        text = st["text"]
-    else:
-        text = mem.tokenizer.decode(new, skip_special_tokens=True).strip()
-        if on_text is not None and len(text) > st["sent"]:
-            on_text(text[st["sent"]:])
-    finish = "stop" if st["stopped"] or len(new) < max_new_tokens else "length"
+        text = stream.finish(new)
+    finish = "stop" if stream.stopped or len(new) < max_new_tokens else "length"
     return text, {"tokens_prefilled": len(ids), "tokens_decoded": len(new), "finish_reason": finish,
                   "timings_s": {"ttft": ttft, "decode": decode_s, "total": time.perf_counter() - t0}}
-
-
-def _first_stop(text: str, stops: list[str]) -> int:
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmemory.store.zarr_store import BlockStore
+from kvmemory.store.blocks import BlockStore
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 

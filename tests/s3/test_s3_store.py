@@ -10,18 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import kvmemory
-from kvmemory import hashing
-from kvmemory import kv as kvops
 from kvmemory.errors import InputError, StoreCorruptError, StoreError
-from kvmemory.manifest import Manifest, StateEntry
+from kvmemory.store.manifest import Manifest
 from kvmemory.store import BlockStore
-from kvmemory.store import zarr_store
-from kvmemory.store.objects import open_files
+from kvmemory.store import commit as zarr_store
+from kvmemory.store.files import open_files
 from tests.store.test_block_store import C, D, H, L, commit_state, random_state, read_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,26 +38,20 @@ def _bytes(t):
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("dtype,codec", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float16, "zstd")])
-def test_round_trip_on_s3_is_byte_exact(s3, tmp_path, dtype, codec):
-    """E1 on the object store: what a fresh reader on another work directory reads equals what was written."""
+def test_an_s3_store_lives_in_its_bucket_and_reads_through_the_disk_tier(s3, tmp_path):
+    """What only an object store has (the byte round trip itself is the conformance suite's): the
+    store's objects in the bucket, shard claims, nothing of it on local disk but the disk tier."""
     gen = torch.Generator().manual_seed(0)
-    store = make_remote(s3.url(), tmp_path / "w1", kv_dtype=str(dtype).removeprefix("torch."), codec=codec)
-    states = {}
-    for n in (1, 3, 4, 5, 9, 16):
-        tokens, kv = random_state(gen, n, dtype)
-        kv[0, 0, 0, 0, 0] = float("nan")
-        states[commit_state(store, tokens, kv)] = kv
+    store = make_remote(s3.url(), tmp_path / "w1")
+    states = {commit_state(store, *random_state(gen, n)): n for n in (1, 5, 9, 16)}
     keys = s3.keys()
-    assert "store/manifest.json" in keys and "store/log/00000006.json" in keys
+    assert "store/manifest.json" in keys and "store/log/00000004.json" in keys
     assert any(k.startswith("store/data/kv/c/") for k in keys) and any(k.startswith("store/claims/") for k in keys)
     assert not (tmp_path / "w1" / "data").exists()          # nothing of the store itself on local disk
     again = open_remote(s3.url(), tmp_path / "w2")
-    for sid, kv in states.items():
-        assert torch.equal(_bytes(read_state(again, sid, dtype)), _bytes(kv))
-    assert again.verify_all() == []
-    if codec == "none":                                      # the raw layout goes through the disk tier
-        assert again.cache.stats.shards_fetched > 0 and again.cache.stats.hits > 0
+    for sid in list(states) * 2:                            # the second pass: from local copies
+        read_state(again, sid)
+    assert again.cache.stats.shards_fetched > 0 and again.cache.stats.hits > 0
 
 
 def test_a_flipped_byte_in_an_object_is_an_error_and_a_flipped_copy_is_fetched_again(s3, tmp_path):
@@ -91,23 +82,6 @@ def test_a_flipped_byte_in_an_object_is_an_error_and_a_flipped_copy_is_fetched_a
     with pytest.raises(StoreCorruptError, match="digest"):
         fresh.read_kv(rows)
     assert fresh.verify_all() != []
-
-
-def test_a_commit_that_dies_before_its_record_leaves_nothing_visible(s3, tmp_path, monkeypatch):
-    gen = torch.Generator().manual_seed(2)
-    store = make_remote(s3.url(), tmp_path / "w1")
-    sid = commit_state(store, *random_state(gen, 5))
-
-    def crash(*a, **k):
-        raise OSError("killed before the commit record")
-    with monkeypatch.context() as mp, pytest.raises(OSError):
-        mp.setattr(zarr_store, "write_record", crash)
-        commit_state(store, *random_state(gen, 9))
-    fresh = open_remote(s3.url(), tmp_path / "w2")
-    assert fresh.manifest.commit == 1 and list(fresh.manifest.states) == [sid]
-    # the next commit claims fresh shards and lands
-    sid2 = commit_state(fresh, *random_state(gen, 6))
-    assert sorted(open_remote(s3.url(), tmp_path / "w3").manifest.states) == sorted([sid, sid2])
 
 
 def test_a_committer_that_loses_the_record_race_retries_on_the_next_commit(s3, tmp_path, monkeypatch):
@@ -148,7 +122,7 @@ def test_two_processes_committing_at_once_lose_nothing(s3, tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
         from kvmemory.store import BlockStore
-        from kvmemory.store.objects import open_files
+        from kvmemory.store.files import open_files
         from tests.store.test_block_store import commit_state, random_state
         who = int(sys.argv[1])
         store = BlockStore(Path(sys.argv[2]), files=open_files({s3.url()!r}), lock_timeout_s=60)
@@ -247,22 +221,10 @@ def _etags(s3, prefix="store/"):
     return out
 
 
-def test_a_commit_on_s3_never_rewrites_an_object(s3, tmp_path):
-    """The durability layout on S3: every commit adds objects, none it or another commit owns changes."""
-    gen = torch.Generator().manual_seed(5)
-    store = make_remote(s3.url(), tmp_path / "w1", shard_blocks=2)
-    commit_state(store, *random_state(gen, 5))
-    for n in (3, 1, 9, 4, 13):
-        before = _etags(s3)
-        commit_state(store, *random_state(gen, n))
-        after = _etags(s3)
-        assert [k for k, v in before.items() if after.get(k) != v] == []
-        assert len(after) > len(before)
-
-
 def test_snapshots_on_s3_bound_what_an_open_reads(s3, tmp_path, monkeypatch):
-    from kvmemory import manifest as manifest_mod
-    from kvmemory.manifest import SNAPSHOT_EVERY, read_manifest
+    from kvmemory.store import log as log_mod
+    from kvmemory.store.log import read_manifest
+    from kvmemory.store.manifest import SNAPSHOT_EVERY
 
     gen = torch.Generator().manual_seed(6)
     store = make_remote(s3.url(), tmp_path / "w1", shard_blocks=1)
@@ -272,8 +234,8 @@ def test_snapshots_on_s3_bound_what_an_open_reads(s3, tmp_path, monkeypatch):
         kept[commit_state(store, t, kv)] = kv
     assert f"store/log/snapshot-{SNAPSHOT_EVERY:08d}.json" in s3.keys("store/log/")
     opened: list[str] = []
-    real = manifest_mod._read_text
-    monkeypatch.setattr(manifest_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
+    real = log_mod._read_text
+    monkeypatch.setattr(log_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
     m = read_manifest(open_files(s3.url()))
     assert len(opened) <= 2 + 3 + 1 and m.commit == SNAPSHOT_EVERY + 3 and sorted(m.states) == sorted(kept)
     fresh = open_remote(s3.url(), tmp_path / "w2")

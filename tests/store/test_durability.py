@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-import kvmemory.manifest as manifest_mod
+import kvmemory.store.durable as durable_mod
+import kvmemory.store.log as log_mod
 from kvmemory import hashing
 from kvmemory import kv as kvops
 from kvmemory.errors import StoreCorruptError, StoreError
-from kvmemory.manifest import SNAPSHOT_EVERY, DocEntry, read_manifest
+from kvmemory.store.files import LocalFiles
+from kvmemory.store.log import read_manifest
+from kvmemory.store.manifest import SNAPSHOT_EVERY, DocEntry
 from kvmemory.store import BlockStore
-from kvmemory.store.zarr_store import Change
+from kvmemory.store import Change
 from kvmemory.store.info import describe
 
 from tests.store.test_block_store import C, commit_state, make_store, random_state, read_state
@@ -98,7 +101,7 @@ def test_short_writes_still_commit_whole(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(12)
     store = make_store(tmp_path / "s")
     real = os.write
-    monkeypatch.setattr(manifest_mod.os, "write", lambda fd, data: real(fd, bytes(data[:7])))
+    monkeypatch.setattr(durable_mod.os, "write", lambda fd, data: real(fd, bytes(data[:7])))
     t, kv = random_state(gen, 6)
     sid = commit_state(store, t, kv)
     monkeypatch.undo()
@@ -117,7 +120,7 @@ def test_failed_write_is_a_store_error_and_keeps_the_last_commit(tmp_path, monke
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
     if where == "record":
-        monkeypatch.setattr(manifest_mod.os, "write", full)
+        monkeypatch.setattr(durable_mod.os, "write", full)
     else:
         import zarr.storage._local as zl
         monkeypatch.setattr(zl, "_put", full)
@@ -238,9 +241,9 @@ def test_snapshots_bound_what_an_open_reads(tmp_path, monkeypatch):
         kept[commit_state(store, t, kv)] = kv
     assert (root / "log" / f"snapshot-{SNAPSHOT_EVERY:08d}.json").is_file()
     opened: list[str] = []
-    real = manifest_mod._read_text
-    monkeypatch.setattr(manifest_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
-    m = read_manifest(root)
+    real = log_mod._read_text
+    monkeypatch.setattr(log_mod, "_read_text", lambda f, key: opened.append(key) or real(f, key))
+    m = read_manifest(LocalFiles(root))
     assert len(opened) <= 2 + 5 + 1              # header, snapshot, the records after it, one miss
     assert m.commit == SNAPSHOT_EVERY + 5 and sorted(m.states) == sorted(kept)
     assert m.ranges == store.manifest.ranges
@@ -285,7 +288,7 @@ def test_gc_reclaims_unreferenced_blocks_and_keeps_the_rest(tmp_path):
     also_rows, _, _ = _commit_doc(store, gen, 3, "also")                # row 8: shares a shard with nothing
     reader = BlockStore.open(root)                       # a reader that saw "drop"
     reader.read_kv(drop_rows)
-    store.commit(lambda s: ([], {}, {}, ("drop",)))
+    store.commit(lambda s: Change(removed_docs=("drop",)))
     assert store.gc(grace_s=3600).blocks_freed == 0      # too recent: maybe a document being added
     data_bytes = lambda: sum(p.stat().st_size for p in (root / "data").rglob("*") if p.is_file())  # noqa: E731
     before = data_bytes()
@@ -318,7 +321,7 @@ def test_gc_rewrites_a_shared_shard_and_resumes_after_a_crash(tmp_path, monkeypa
         return Change(new, {}, {"head": DocEntry(rows=rows[:2], n_tokens=8, segments=1),
                                 "tail": DocEntry(rows=rows[2:], n_tokens=8, segments=1)})
     store.commit(build)
-    store.commit(lambda s: ([], {}, {}, ("tail",)))
+    store.commit(lambda s: Change(removed_docs=("tail",)))
     import kvmemory.store.shards as sh
 
     def crash(*a, **k):

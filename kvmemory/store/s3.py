@@ -1,83 +1,25 @@
-"""Where a store's files live: a local directory or a prefix on an S3-compatible object store.
+"""ObjectFiles: a store's files under a prefix of an S3-compatible bucket, with obstore (Rust
+object_store). A create is a PUT with `If-None-Match: *`, which S3 (since 2024), MinIO, Ceph RGW,
+R2 and moto refuse with 412 when the name exists: of two committers racing for the same record,
+exactly one wins; the other gets `StoreExistsError`. No lock spans machines (`exclusive` is
+False): committers claim shards of their own (kvmemory/store/commit.py).
 
-Everything the commit protocol needs is four operations on small named files: read, create
-(never over an existing name: the commit point), list, delete. `LocalFiles` does them with
-durable POSIX writes (temp file, fsync, link, fsync of the directory); `ObjectFiles` with
-obstore (Rust object_store): a create is a PUT with `If-None-Match: *`, which S3 (since
-2024), MinIO, Ceph RGW, R2 and moto refuse with 412 when the name exists. Of two committers
-racing for the same record, exactly one wins; the other gets `StoreExistsError`.
-
-The block arrays are Zarr v3 either way: `zarr_store()` gives zarr's `LocalStore` or its
-`ObjectStore` over the same obstore client, so the data layout is the same on disk and in a
-bucket (a store can be copied between them with `aws s3 sync`).
-
-Why obstore and not s3fs: one native client for the commit log, the Zarr arrays and the
-range reads of the cache tier; conditional PUT (`mode="create"`) is a first-class argument
-(fsspec has no portable create-only write); no asyncio event loop of its own to collide with
-zarr's; and it reads the standard AWS_* environment variables.
+Why obstore and not s3fs: one native client for the commit log, the Zarr arrays and the range
+reads of the cache tier; conditional PUT (`mode="create"`) is a first-class argument (fsspec has
+no portable create-only write); no asyncio event loop of its own to collide with zarr's; and it
+reads the standard AWS_* environment variables.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from datetime import timedelta
-from pathlib import Path
 from urllib.parse import urlparse
 
 from kvmemory.errors import InputError, MissingDependencyError, StoreError, StoreExistsError
 
 _SCHEMES = ("s3",)
-
-
-def is_url(location) -> bool:
-    """True for an object-store location (s3://bucket/prefix), False for a local path."""
-    return isinstance(location, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", location) is not None
-
-
-class LocalFiles:
-    """A store's files in a local directory."""
-
-    remote = False
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-
-    def describe(self) -> str:
-        return str(self.root)
-
-    def read(self, key: str) -> bytes:
-        return (self.root / key).read_bytes()
-
-    def create(self, key: str, data: bytes) -> None:
-        """Write a new file durably; StoreExistsError if the name exists (nothing is overwritten)."""
-        from kvmemory.manifest import write_new_file
-
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_new_file(path, data)
-
-    def exists(self, key: str) -> bool:
-        return (self.root / key).is_file()
-
-    def list(self, prefix: str, after: str | None = None) -> list[str]:
-        """Names of the files directly in folder `prefix` (after the key `after`, if given)."""
-        d = self.root / prefix
-        names = sorted(os.listdir(d)) if d.is_dir() else []
-        if after is not None:
-            names = [n for n in names if f"{prefix.rstrip('/')}/{n}" > after]
-        return names
-
-    def delete(self, key: str) -> None:
-        try:
-            os.unlink(self.root / key)
-        except FileNotFoundError:
-            pass
-
-    def zarr_store(self, sub: str, read_only: bool):
-        from zarr.storage import LocalStore
-
-        return LocalStore(self.root / sub, read_only=read_only)
+CLAIMS_DIR = "claims"            # claims/<shard> names the committer that owns a shard
 
 
 class ObjectFiles:
@@ -89,6 +31,7 @@ class ObjectFiles:
     keys, e.g. {"endpoint": ..., "access_key_id": ..., "allow_http": True}), which win."""
 
     remote = True
+    exclusive = False              # machines commit without a common lock
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         try:
@@ -192,6 +135,25 @@ class ObjectFiles:
         except Exception as e:
             raise self._err("delete", key, e) from None
 
+    def remove(self, key: str) -> int:
+        """Best-effort removal of a data object no commit names (rows no record names are never read)."""
+        try:
+            self.delete(key)
+        except StoreError:
+            return 0
+        return 1
+
+    def sync(self, keys: list[str], top: str) -> None:
+        """Nothing to do: a PUT is durable when it returns."""
+
+    def clean_leftovers(self, first_shard: int, arrays, dirs) -> int:
+        """Nothing: with no lock, a shard past the last commit may be another committer's work in
+        progress (rows a failed commit claimed stay unnamed, never read)."""
+        return 0
+
+    def total_bytes(self) -> int:
+        return sum(n for k, n in self.walk() if not k.startswith(CLAIMS_DIR + "/"))
+
     def zarr_store(self, sub: str, read_only: bool):
         import obstore.store as ost
         from zarr.storage import ObjectStore
@@ -200,16 +162,3 @@ class ObjectFiles:
         inner = ost.S3Store(self.bucket, prefix=prefix or None, config=self._config, client_options=self._client,
                             retry_config=self._retry)
         return ObjectStore(inner, read_only=read_only)
-
-
-def open_files(location, storage_options: dict | None = None):
-    """LocalFiles for a path, ObjectFiles for an s3:// URL."""
-    if is_url(location):
-        scheme = str(location).split("://", 1)[0].lower()
-        if scheme not in _SCHEMES:
-            raise InputError(f"{location!r}: unsupported scheme {scheme!r} (kvmemory stores live in a directory "
-                             "or at s3://bucket/prefix)")
-        return ObjectFiles(str(location), storage_options)
-    if storage_options:
-        raise InputError("storage_options apply only to an s3:// location")
-    return LocalFiles(Path(location))

@@ -1,4 +1,5 @@
-"""The manifest and the commit log: what a store holds. Pure: no torch, no zarr.
+"""The manifest: what a store holds, the header plus the replay of its commit log. Pure: no I/O,
+no torch, no zarr (reading and writing the log is kvmemory/store/log.py).
 
 A store's commit point is a log of small, write-once files:
 
@@ -10,9 +11,8 @@ A store's commit point is a log of small, write-once files:
     log/snapshot-00000064.json every SNAPSHOT_EVERY commits, the whole view at that commit, so
                                opening reads one snapshot and at most SNAPSHOT_EVERY - 1 records.
 
-Every file is written to a temporary name, checked (short writes, ENOSPC), fsynced, then
-linked to its final name (never over an existing file) and its directory fsynced. A commit
-therefore costs the same however large the store is, and no committed file is rewritten.
+Every file is written once and never rewritten (kvmemory/store/durable.py), so a commit costs
+the same however large the store is.
 
 `Manifest` is the in-memory view: the header plus the result of replaying the log.
 """
@@ -20,15 +20,10 @@ therefore costs the same however large the store is, and no committed file is re
 from __future__ import annotations
 
 import bisect
-import errno
 import json
-import os
-import re
-import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from kvmemory.errors import StoreCorruptError, StoreError, StoreExistsError
+from kvmemory.errors import StoreCorruptError
 
 FORMAT = "kvmemory-store"
 FORMAT_VERSION = 2
@@ -36,9 +31,6 @@ MANIFEST_NAME = "manifest.json"
 LOG_DIR = "log"
 SNAPSHOT_EVERY = 64
 ID_HEX = 32                        # hex digits of one block id
-_RECORD = re.compile(r"^(\d{8,})\.json$")
-_SNAPSHOT = re.compile(r"^snapshot-(\d{8,})\.json$")
-TEMP_SUFFIX = ".tmp"
 
 HEADER_FIELDS = ("fingerprint", "model", "block_tokens", "shard_blocks", "codec", "kv_dtype", "format", "version")
 
@@ -259,115 +251,3 @@ class Manifest:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
-
-
-# ---------------------------------------------------------------------- files
-# `root` below is a store directory (Path) or a kvmemory.store.objects files object (a local
-# directory or an object-store prefix): the log is the same names either way.
-def _files(root):
-    if hasattr(root, "create") and hasattr(root, "list"):
-        return root
-    from kvmemory.store.objects import LocalFiles
-
-    return LocalFiles(Path(root))
-
-
-def record_key(commit: int) -> str:
-    return f"{LOG_DIR}/{commit:08d}.json"
-
-
-def snapshot_key(commit: int) -> str:
-    return f"{LOG_DIR}/snapshot-{commit:08d}.json"
-
-
-def _read_text(files, key: str) -> str:
-    """A log file's text; FileNotFoundError if absent, StoreCorruptError if not UTF-8."""
-    try:
-        return files.read(key).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StoreCorruptError(f"{files.describe()}/{key} is not UTF-8: {e}") from None
-
-
-def read_manifest(root) -> Manifest:
-    """The store's view at its newest commit: the header, the newest snapshot, the records after it."""
-    f = _files(root)
-    where = f"{f.describe()}/{MANIFEST_NAME}"
-    m = Manifest.from_header(_read_text(f, MANIFEST_NAME), where=where)
-    snaps = sorted(int(x.group(1)) for x in map(_SNAPSHOT.match, f.list(LOG_DIR)) if x)
-    if snaps:
-        key = snapshot_key(snaps[-1])
-        m.load_snapshot(_read_text(f, key), f"{f.describe()}/{key}")
-    read_new_records(f, m)
-    return m
-
-
-def read_new_records(root, m: Manifest) -> list[CommitRecord]:
-    """Apply the records after m.commit (in place) and return them. One read when nothing changed."""
-    f = _files(root)
-    applied = []
-    while True:
-        key = record_key(m.commit + 1)
-        try:
-            text = _read_text(f, key)
-        except FileNotFoundError:
-            return applied
-        where = f"{f.describe()}/{key}"
-        rec = CommitRecord.from_json(text, where)
-        m.apply(rec, where)
-        applied.append(rec)
-
-
-def write_new_file(path: Path, data: bytes) -> None:
-    """Write `data` to `path`, which must not exist, durably: temp file, every byte checked,
-    fsync, link into place, fsync of the directory. StoreError (nothing left behind) on failure."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                if n <= 0:
-                    raise OSError(errno.EIO, "write returned 0 bytes")
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.link(tmp, path)           # never over an existing file: EEXIST instead
-        fsync_dir(path.parent)
-    except FileExistsError:
-        raise StoreExistsError(f"cannot write {path}: it already exists") from None
-    except OSError as e:
-        why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
-        raise StoreError(f"cannot write {path}: {why}") from None
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-
-
-def write_header(root, m: Manifest) -> None:
-    _files(root).create(MANIFEST_NAME, m.header_json().encode("utf-8"))
-
-
-def write_record(root, rec: CommitRecord) -> None:
-    """The commit point: create-only, so of two writers racing for one commit number exactly one
-    lands (StoreExistsError for the other)."""
-    _files(root).create(record_key(rec.commit), rec.to_json().encode("utf-8"))
-
-
-def write_snapshot(root, m: Manifest) -> None:
-    _files(root).create(snapshot_key(m.commit), m.snapshot_json().encode("utf-8"))
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: so the names in it are durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-fsync_dir = fsync_path

@@ -3,8 +3,10 @@ import json
 import pytest
 
 from kvmemory.errors import StoreCorruptError, StoreError
-from kvmemory.manifest import (CommitRecord, DocEntry, Manifest, StateEntry, read_manifest, write_header,
-                               write_new_file, write_record)
+from kvmemory.store.durable import write_new_file
+from kvmemory.store.files import LocalFiles
+from kvmemory.store.log import read_manifest, write_header, write_record
+from kvmemory.store.manifest import CommitRecord, DocEntry, Manifest, StateEntry
 
 
 def _m(**kw):
@@ -19,12 +21,12 @@ def _ids(n: int, seed: int = 0) -> str:
 
 
 def test_header_and_records_replay(tmp_path):
-    write_header(tmp_path, _m())
-    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(3), tokens=10, time=1.0,
+    write_header(LocalFiles(tmp_path), _m())
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=1, start=0, ids=_ids(3), tokens=10, time=1.0,
                                         states={"ab": StateEntry(last_row=2, n_tokens=10, label="x", created=1.5)}))
-    write_record(tmp_path, CommitRecord(commit=2, start=4, ids=_ids(1, 1), tokens=4, time=2.0,
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=2, start=4, ids=_ids(1, 1), tokens=4, time=2.0,
                                         docs={"d": DocEntry(rows=[4], n_tokens=4, segments=1)}))
-    m = read_manifest(tmp_path)
+    m = read_manifest(LocalFiles(tmp_path))
     assert m.commit == 2 and m.n_blocks == 4 and m.stored_tokens == 14 and m.next_row == 6
     assert m.states["ab"].label == "x" and m.docs["d"].rows == [4]
     assert [m.is_committed(r) for r in range(7)] == [True, True, True, False, True, False, False]
@@ -32,14 +34,14 @@ def test_header_and_records_replay(tmp_path):
 
 
 def test_header_is_never_overwritten(tmp_path):
-    write_header(tmp_path, _m())
+    write_header(LocalFiles(tmp_path), _m())
     with pytest.raises(StoreError, match="already exists"):
-        write_header(tmp_path, _m(fingerprint="kvm1-other"))
-    assert read_manifest(tmp_path).fingerprint == "kvm1-x"
+        write_header(LocalFiles(tmp_path), _m(fingerprint="kvm1-other"))
+    assert read_manifest(LocalFiles(tmp_path)).fingerprint == "kvm1-x"
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    import kvmemory.manifest as mod
+    import kvmemory.store.durable as mod
 
     def boom(*a):
         raise OSError(28, "No space left on device")
@@ -54,20 +56,20 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 def test_bad_header_is_corrupt(tmp_path, text):
     (tmp_path / "manifest.json").write_text(text)
     with pytest.raises(StoreCorruptError):
-        read_manifest(tmp_path)
+        read_manifest(LocalFiles(tmp_path))
 
 
 def test_record_pointing_past_blocks_is_corrupt(tmp_path):
-    write_header(tmp_path, _m())
-    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(1), states={"a": StateEntry(last_row=4,
+    write_header(LocalFiles(tmp_path), _m())
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=1, start=0, ids=_ids(1), states={"a": StateEntry(last_row=4,
                                                                                                  n_tokens=3)}))
     with pytest.raises(StoreCorruptError, match="not committed"):
-        read_manifest(tmp_path)
+        read_manifest(LocalFiles(tmp_path))
 
 
 def test_record_off_a_shard_boundary_is_corrupt(tmp_path):
-    write_header(tmp_path, _m())
-    write_record(tmp_path, CommitRecord(commit=1, start=0, ids=_ids(1)))
-    write_record(tmp_path, CommitRecord(commit=2, start=1, ids=_ids(1, 2)))   # must start at 2
+    write_header(LocalFiles(tmp_path), _m())
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=1, start=0, ids=_ids(1)))
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=2, start=1, ids=_ids(1, 2)))   # must start at 2
     with pytest.raises(StoreCorruptError, match="shard boundary"):
-        read_manifest(tmp_path)
+        read_manifest(LocalFiles(tmp_path))

@@ -121,7 +121,8 @@ class Replica:
     def __init__(self, rank: int, store: str, model, api_key, queue_size: int, max_body_bytes: int,
                  storage_options) -> None:
         from kvmemory.memory import Memory
-        from kvmemory.server import SERVE_DIR, create_app
+        from kvmemory.server.app import create_app
+        from kvmemory.server.persist import SERVE_DIR
 
         self.rank = int(rank)
         kw = {"storage_options": storage_options} if storage_options else {}
@@ -215,11 +216,9 @@ def serve_ray(store, host: str = "127.0.0.1", port: int = 8000, replicas: int = 
               storage_options: dict | None = None, blocking: bool = True):
     """Start (or join) a Ray cluster, run the application on host:port; blocks until interrupted
     unless blocking=False (then returns the Router's handle)."""
-    from kvmemory.server import is_loopback
+    from kvmemory.server.app import check_exposure
 
-    if not is_loopback(host) and not api_key:
-        raise InputError(f"refusing to listen on {host} without an API key: pass --api-key-file or set "
-                         "KVMEMORY_API_KEY (only loopback may be served without one)")
+    check_exposure(host, api_key)
     ray, serve = _serve()
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False, include_dashboard=False)

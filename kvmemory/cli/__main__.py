@@ -1,0 +1,5 @@
+import sys
+
+from kvmemory.cli import main
+
+sys.exit(main())

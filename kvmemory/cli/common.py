@@ -1,0 +1,49 @@
+"""What every `kvmemory` command shares: the epilog, the --model argument, opening a store's Memory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvmemory.errors import KVMemoryError
+
+EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible service (AWS_ENDPOINT_URL, "
+          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP=true for plain HTTP). "
+          "Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
+          "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget), KVMEMORY_STORE_CACHE_DIR and "
+          "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store).")
+
+__all__ = ["EPILOG", "KVMemoryError", "model_arg", "open_memory", "positive_int", "progress"]
+
+
+def model_arg(sp) -> None:
+    sp.add_argument("--model", metavar="DIR", default=None,
+                    help="local transformers model directory (default: embedded SmolLM2-135M-Instruct)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="block", disable=not sys.stderr.isatty())
+
+
+def open_memory(args, read_only=False, create=False, **kw):
+    """The Memory of args.store. Only commands that write a first state or entry (save, learn, add) may
+    create a store: a mistyped path given to ask, rm, reindex ... is an error, not a new empty store."""
+    from kvmemory.memory import Memory
+    from kvmemory.store.location import locate
+
+    if not create and not locate(args.store, must_exist=False).exists:
+        raise KVMemoryError(f"no kvmemory store at {args.store}; check the path, or create one with kvmemory save "
+                            "or kvmemory add")
+    return Memory(args.store, model=getattr(args, "model", None), read_only=read_only, **kw)

@@ -1,0 +1,55 @@
+"""`kvmemory` commands. kvmemory serve. Each command's parser sits beside its handler."""
+
+from __future__ import annotations
+
+import os
+
+from kvmemory.cli.common import KVMemoryError, model_arg, positive_int
+
+
+def register(add) -> None:
+    """Add this module's commands: add(name, help, description) -> a subparser."""
+    sp = add("serve", "serve the store over HTTP: document QA and OpenAI-compatible chat",
+             "Serve STORE (created if missing) with FastAPI/uvicorn: POST /v1/documents (deposit jobs), "
+             "GET /v1/jobs/ID, GET/DELETE /v1/documents, POST /v1/ask (SSE with stream), GET /v1/models, "
+             "POST /v1/chat/completions (OpenAI shapes; every conversation persists as exact KV states, a "
+             "request extending one restores its stored prefix), GET/DELETE /v1/sessions/ID, POST /v1/learn and "
+             "/v1/solve (the verified-solution library), GET /health. "
+             "Anything but loopback needs an API key.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback)")
+    sp.add_argument("--port", type=int, default=8000, help="default 8000")
+    sp.add_argument("--api-key-file", metavar="FILE", default=None,
+                    help="file holding the bearer token clients must send (or set KVMEMORY_API_KEY)")
+    sp.add_argument("--queue", type=positive_int, default=32, metavar="N",
+                    help="requests that may wait for the model; more get 429 (default 32)")
+    sp.add_argument("--max-body-mb", type=positive_int, default=16, metavar="MB", help="request size limit (413)")
+    sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
+                         "replica holding its KV); ADDRESS of a cluster, or none for a local one")
+    sp.add_argument("--replicas", type=positive_int, default=2, metavar="N", help="Ray Serve replicas (default 2)")
+    model_arg(sp)
+    sp.set_defaults(run=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from kvmemory.server import serve
+
+    key = os.environ.get("KVMEMORY_API_KEY") or None
+    if args.api_key_file:
+        try:
+            key = open(args.api_key_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise KVMemoryError(f"cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise KVMemoryError(f"{args.api_key_file} is empty")
+    if args.ray is not None:
+        from kvmemory.server.ray import serve_ray
+
+        serve_ray(args.store, host=args.host, port=args.port, replicas=args.replicas,
+                  address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
+                  queue_size=args.queue, max_body_bytes=args.max_body_mb << 20)
+        return 0
+    serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
+          max_body_bytes=args.max_body_mb << 20)
+    return 0

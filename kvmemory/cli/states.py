@@ -1,0 +1,126 @@
+"""`kvmemory` commands. States: save, generate, info, verify, demo. Each command's parser sits beside its handler."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvmemory.cli.common import KVMemoryError, model_arg, open_memory, progress
+
+
+def register(add) -> None:
+    """Add this module's commands: add(name, help, description) -> a subparser."""
+    sp = add("save", "compute a prompt's KV state and store it; prints the state id",
+             "Tokenize FILE (UTF-8 text, or - for standard input), compute its KV state block by block "
+             "(reusing blocks the store already has) and commit it. Prints the state id.")
+    sp.add_argument("store", metavar="STORE", help="store directory or s3://bucket/prefix (created if missing)")
+    sp.add_argument("file", metavar="FILE", help="UTF-8 text file, or - for standard input")
+    sp.add_argument("--label", default="", help="a name to show in `info --states`")
+    sp.add_argument("--chat-system", action="store_true",
+                    help="wrap the text as a system prompt of the model's chat template (pair with generate --chat)")
+    model_arg(sp)
+    sp.set_defaults(run=cmd_save)
+
+    sp = add("generate", "restore a state and continue it greedily after PROMPT",
+             "Restore state ID (verified), feed PROMPT after it and print the greedy continuation.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("state_id", metavar="ID", help="state id, or a unique prefix of at least 8 hex digits")
+    sp.add_argument("prompt", metavar="PROMPT")
+    sp.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default 64")
+    sp.add_argument("--chat", action="store_true", help="send PROMPT as a user turn of the chat template")
+    model_arg(sp)
+    sp.set_defaults(run=cmd_generate)
+
+    sp = add("info", "describe a store: model, fingerprint, states, blocks, bytes",
+             "Print the store's model, fingerprint, number of states and blocks, KV bytes, bytes on disk "
+             "and compression ratio. Reads the manifest only; loads no model.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--states", action="store_true", help="also list every state")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.set_defaults(run=cmd_info)
+
+    sp = add("verify", "check every block's digest (E1); with --recompute, recompute each block (E2)",
+             "E1: read every committed block and check its digest. With --recompute, E2: recompute every "
+             "block from its tokens and parent context with the model and compare bytes. Exits 1 naming "
+             "every bad block.")
+    sp.add_argument("store", metavar="STORE")
+    sp.add_argument("--recompute", action="store_true", help="also recompute every block with the model (slow)")
+    model_arg(sp)
+    sp.set_defaults(run=cmd_verify)
+
+    sp = add("demo", "save real states, restore them, show bit-exactness and restore-vs-recompute time",
+             "Save a few real prompts with the default model, restore them from disk, check that the next-token "
+             "logits are bit-identical to a fresh computation, and time restore against recompute.")
+    sp.add_argument("--store", metavar="DIR", default=None, help="store directory (default: a temporary one)")
+    sp.set_defaults(run=cmd_demo)
+
+
+def cmd_save(args) -> int:
+    if args.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            with open(args.file, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise KVMemoryError(f"cannot read {args.file}: {e.strerror}") from None
+    with open_memory(args, create=True) as mem:
+        if args.chat_system:
+            from kvmemory.errors import InputError
+
+            try:
+                data = mem.system_prompt(data.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise InputError(f"{args.file} is not UTF-8 text: byte at offset {e.start}") from None
+        state = mem.save(data, label=args.label)
+    print(state.id)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    with open_memory(args, read_only=True) as mem:
+        print(mem.generate(args.state_id, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from kvmemory.store.info import store_info
+
+    info = store_info(args.store, with_states=args.states)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    for k in ("path", "model", "fingerprint", "states", "blocks", "block_tokens", "codec", "kv_dtype"):
+        print(f"{k:18} {info[k]}")
+    print(f"{'kv_bytes':18} {info['kv_bytes']:,} ({info['kv_bytes'] / 2**20:.1f} MiB)")
+    print(f"{'disk_bytes':18} {info['disk_bytes']:,} ({info['disk_bytes'] / 2**20:.1f} MiB)")
+    print(f"{'compression_ratio':18} {info['compression_ratio']:.3f}  (kv_bytes / disk_bytes; padding of partial blocks counts)")
+    for s in info.get("state_list", []):
+        print(f"  {s['id']}  {s['n_tokens']:6d} tokens  {s['label']}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    if args.recompute:
+        with open_memory(args, read_only=True) as mem:
+            with progress(mem.store.n_blocks, "recompute") as bar:
+                bad = mem.verify(recompute=True, progress=bar)
+            n = mem.store.n_blocks
+    else:
+        from kvmemory.store import BlockStore
+
+        store = BlockStore.open(args.store)
+        n = store.n_blocks
+        with progress(n, "verify") as bar:
+            bad = store.verify_all(progress=bar)
+    for _, why in bad:
+        print(f"BAD {why}")
+    what = "E1 digest + E2 recompute" if args.recompute else "E1 digest"
+    print(f"{n - len(bad)}/{n} blocks passed ({what})")
+    return 1 if bad else 0
+
+
+def cmd_demo(args) -> int:
+    from kvmemory.demo import run_demo
+
+    return run_demo(args.store)

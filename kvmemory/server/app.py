@@ -1,0 +1,136 @@
+"""The app factory: one FastAPI app over one Memory, its exception handlers (every error in OpenAI's
+shape), the API-key and body-size guard, and `serve` (uvicorn)."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmemory.errors import InputError, KVMemoryError
+from kvmemory.server.chat import ChatService
+from kvmemory.server.context import Context
+from kvmemory.server.errors import DOCUMENTED, ApiError, from_exception, from_validation
+from kvmemory.server.jobs import Jobs
+from kvmemory.server.persist import SERVE_DIR
+from kvmemory.server.routes import ROUTERS
+from kvmemory.server.schemas import ErrorResponse
+from kvmemory.server.sessions import Sessions
+from kvmemory.server.worker import Worker
+
+OPEN_PATHS = ("/health",)
+
+
+def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
+               serve_dir: Path | None = None, job_prefix: str = "job-") -> FastAPI:
+    """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
+    serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
+    serve one store); job_prefix: how job ids start (a replica's rank, for routing)."""
+    from kvmemory import __version__
+
+    root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
+    sessions = Sessions(root)
+    c = Context(mem=mem, worker=Worker(queue_size), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
+                sessions=sessions, max_body_bytes=max_body_bytes)
+    stop = threading.Event()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        t = threading.Thread(target=c.jobs.run, args=(mem, stop), name="kvmemory-deposits", daemon=True)
+        t.start()
+        yield
+        stop.set()
+        t.join(timeout=5)
+
+    errors = {s: {"model": ErrorResponse, "description": "an error in OpenAI's shape"} for s in DOCUMENTED}
+    app = FastAPI(title="kvmemory", version=__version__, lifespan=lifespan, responses=errors)
+    app.state.ctx, app.state.worker = c, c.worker
+    for r in ROUTERS:
+        app.include_router(r)
+    _handlers(app)
+    _guard(app, api_key, max_body_bytes)
+    return app
+
+
+def _answer(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _answer(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        msg = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
+        return _answer(ApiError(e.status_code, msg, code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request, e):
+        return _answer(from_validation(list(e.errors())))
+
+    @app.exception_handler(KVMemoryError)
+    async def kvmemory_error(request, e):          # typed errors answer here, without a traceback in the log
+        return _answer(from_exception(e))
+
+    @app.exception_handler(Exception)
+    async def internal(request, e):
+        return _answer(from_exception(e))
+
+
+def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+    """The API key (every path but /health) and the body size limit (413), before any route runs."""
+    def too_large() -> JSONResponse:
+        return _answer(ApiError(413, f"the request body is larger than {max_body_bytes} bytes",
+                                code="request_too_large"))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            got = request.headers.get("authorization", "")
+            if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())):
+                return _answer(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                        code="invalid_api_key"))
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > max_body_bytes):
+            return too_large()
+        if n is None and request.method in ("POST", "PUT", "PATCH") and len(await request.body()) > max_body_bytes:
+            return too_large()                     # a chunked body: counted once read
+        return await call_next(request)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Only loopback may be served without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise InputError(f"refusing to listen on {host} without an API key: pass --api-key-file or set "
+                         "KVMEMORY_API_KEY (only loopback may be served without one)")
+
+
+def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
+          queue_size: int = 32, max_body_bytes: int = 16 << 20) -> None:
+    """Open (or create) the store and serve it until interrupted."""
+    import uvicorn
+
+    from kvmemory.memory import Memory
+    check_exposure(host, api_key)
+    mem = Memory(store, model=model)
+    uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes),
+                host=host, port=port, log_level="warning")

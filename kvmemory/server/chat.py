@@ -1,0 +1,140 @@
+"""The chat service behind POST /v1/chat/completions: fit a conversation to the window, restore its
+stored prefix, decode, and save the conversation with its reply.
+
+Persistence: the prompt of every request is saved as a state (its blocks content-addressed), so a
+request whose messages extend a stored conversation restores the longest stored prefix exactly
+and prefills only the rest (usage.prompt_tokens_details.cached_tokens); after each reply the
+conversation including the reply is saved too, computed the canonical (block-chunked) way, so the
+next turn restores it. Greedy replies are therefore identical whether a prefix was restored or
+recomputed."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvmemory import kv as kvops, prompts
+from kvmemory.decode import TextStream, greedy, sampler
+from kvmemory.device import ids_tensor
+from kvmemory.server.errors import ApiError, bad, check_id
+from kvmemory.server.schemas import ChatCompletionRequest
+from kvmemory.server.sessions import Sessions, session_prefix
+
+RECALL_BLOCKS = 3                  # blocks of older turns brought back per turn when over the window
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """A validated chat request, as the service uses it."""
+    messages: list[dict]           # [{"role": system|user|assistant, "content": str}]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop: list[str]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    session: str | None
+
+
+def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -> ChatParams:
+    """The service's view of a request; ApiError for what the schema cannot say (the model's name,
+    stream_options without stream, a malformed session id)."""
+    if req.model not in model_ids:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_ids[0]!r}",
+                       param="model", code="model_not_found")
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
+    session = req.prompt_cache_key or headers.get("x-session-id") or req.user
+    if session is not None:
+        check_id(session, "prompt_cache_key")
+    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if any(not s for s in stop):
+        raise bad("stop", "a stop string must not be empty")
+    mt = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
+                      1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
+                      bool(req.stream_options and req.stream_options.include_usage), session)
+
+
+class ChatService:
+    def __init__(self, mem, sessions: Sessions) -> None:
+        self.mem = mem
+        self.sessions = sessions
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        return prompts.chat_ids(self.mem.tokenizer, messages)
+
+    def fit(self, p: ChatParams) -> tuple[list[int], list[dict]]:
+        """The prompt's token ids. A conversation longer than the window keeps its system message
+        and latest turns; its older turns are deposited as the session's documents (once each,
+        content-addressed) and the blocks of them most relevant to the latest message are selected
+        (the engine of ask) and quoted in the system message. Returns (ids, what was recalled)."""
+        messages = p.messages
+        ids = self.ids(messages)
+        limit = self.mem.geometry.max_positions
+        if len(ids) + p.max_tokens <= limit:
+            return ids, []
+        if p.session is None:
+            raise ApiError(400, f"the conversation is {len(ids)} tokens and max_tokens {p.max_tokens}; the "
+                                f"model's window is {limit}. Name a session (prompt_cache_key) to keep older turns "
+                                "in memory instead", param="messages", code="context_length_exceeded")
+        n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head, rest = messages[:n_head], messages[n_head:]
+        budget = limit - p.max_tokens - (RECALL_BLOCKS + 1) * self.mem.block_tokens
+        k = 0
+        while k < len(rest) and len(self.ids(head + rest[k:])) > budget:
+            k += 1
+        if k >= len(rest):
+            raise ApiError(400, f"the latest message alone does not fit the model's window of {limit} tokens "
+                                f"with max_tokens {p.max_tokens}", param="messages", code="context_length_exceeded")
+        prefix = session_prefix(p.session)
+        have = self.mem.require_store().manifest.docs
+        for m in rest[:k]:
+            text = f"{m['role']}: {m['content']}"
+            doc_id = prefix + xxhash.xxh3_64_hexdigest(text.encode())
+            if doc_id not in have and text.strip():
+                self.mem.add(text, doc_id=doc_id)
+        query = next((m["content"] for m in reversed(rest) if m["role"] == "user"), rest[-1]["content"])
+        hits = self.mem.retrieve(query, k=RECALL_BLOCKS, doc_filter=lambda d: d.startswith(prefix)) \
+            if query.strip() else []
+
+        def with_excerpts(hits) -> list[int]:
+            note = "Earlier in this conversation (excerpts):\n" + "\n".join(h["text"].strip() for h in hits)
+            sys_msg = {"role": "system", "content": ((head[0]["content"] + "\n\n") if head else "") + note}
+            return self.ids([sys_msg] + head[1:] + rest[k:])
+        ids = with_excerpts(hits)
+        while len(ids) + p.max_tokens > limit and hits:        # excerpts never push it over
+            hits = hits[:-1]
+            ids = with_excerpts(hits)
+        return ids, [{k_: h[k_] for k_ in ("doc_id", "start_token", "end_token", "score", "text")} for h in hits]
+
+    def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
+        """Fit the prompt, restore/compute it, decode, save the conversation. emit(text_delta) streams."""
+        mem = self.mem
+        with mem.exclusive():                                      # one request's model work at a time
+            ids, recalled = self.fit(p)
+            prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
+            cached = prefix.reused_tokens if prefix is not None else 0
+            with torch.inference_mode():
+                cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
+                out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
+                stream = TextStream(mem.tokenizer, p.stop, emit)
+                new = greedy(mem.model, cache, out.logits[0, -1], p.max_tokens, mem.eos_ids,
+                             on_token=lambda t: stream(t) or cancel.is_set(),
+                             pick=sampler(p.temperature, p.top_p, p.seed))
+                text = stream.finish(new)
+            cancelled = stream.halted or cancel.is_set()
+            finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
+            # the conversation with its reply, computed canonically: the next turn restores it
+            state = mem.save(ids + new, label="kvmemory:chat") if not cancelled else None
+        if state is not None and p.session:
+            self.sessions.record(p.session, ([prefix.id] if prefix is not None else []) + [state.id],
+                                 state.n_tokens, recalled)
+        return {"text": text, "finish_reason": finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(new), "cached_tokens": cached}

@@ -1,0 +1,31 @@
+"""What every route reaches: the Memory, the model worker and the services, one per app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kvmemory.server.chat import ChatService
+from kvmemory.server.jobs import Jobs
+from kvmemory.server.sessions import Sessions
+from kvmemory.server.worker import Worker
+
+
+@dataclass
+class Context:
+    mem: object                    # a writable kvmemory.Memory
+    worker: Worker
+    chat: ChatService
+    jobs: Jobs
+    sessions: Sessions
+    max_body_bytes: int
+
+    @property
+    def model_id(self) -> str:
+        return self.mem.model_name
+
+
+def ctx(request: Request) -> Context:
+    """The route dependency: this app's Context."""
+    return request.app.state.ctx

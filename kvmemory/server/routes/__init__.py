@@ -1,0 +1,5 @@
+"""The server's routes, one module an area; each holds an APIRouter named `router`."""
+
+from kvmemory.server.routes import ask, chat, documents, library, meta, sessions
+
+ROUTERS = [meta.router, chat.router, ask.router, documents.router, sessions.router, library.router]

@@ -1,0 +1,39 @@
+"""POST /v1/ask: answer from the deposited documents, with the passages grafted (SSE with stream)."""
+
+from fastapi import APIRouter, Depends
+
+from kvmemory.ask import passages
+from kvmemory.server.context import Context, ctx
+from kvmemory.server.errors import from_exception
+from kvmemory.server.schemas import AskRequest, AskResponse
+from kvmemory.server.sessions import SESSION_DOCS
+from kvmemory.server.worker import sse
+
+router = APIRouter()
+STREAMED = {200: {"content": {"text/event-stream": {}},
+                  "description": "the answer, or with stream: true delta events and a final one"}}
+
+
+def answer(mem, q: AskRequest, emit) -> dict:
+    """Memory.ask with the request's settings (unset ones take ask's defaults); chat memory is not a document."""
+    kw = {k: v for k, v in q.model_dump(exclude={"question", "stream"}).items() if v is not None}
+    ans = mem.ask(q.question, max_new_tokens=kw.pop("max_new_tokens", 48), on_token=emit,
+                  doc_filter=lambda d: not d.startswith(SESSION_DOCS), **kw)
+    return {"answer": ans.text, "sources": passages(mem, ans), "stats": ans.stats}
+
+
+@router.post("/v1/ask", response_model=AskResponse, responses=STREAMED)
+async def ask(q: AskRequest, c: Context = Depends(ctx)):
+    if not q.stream:
+        return await c.worker.run(answer, c.mem, q, None)
+
+    def events(kind, payload):
+        if kind == "delta":
+            yield sse({"type": "delta", "text": payload})
+        elif kind == "done":
+            yield sse({"type": "final", **payload})
+            yield sse("[DONE]")
+        else:
+            yield sse(from_exception(payload).body())
+            yield sse("[DONE]")
+    return c.worker.stream(lambda emit, cancel: answer(c.mem, q, emit), events)

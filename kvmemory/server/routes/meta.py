@@ -1,0 +1,18 @@
+"""GET /health (open without a key) and GET /v1/models."""
+
+from fastapi import APIRouter, Depends
+
+from kvmemory.server.context import Context, ctx
+from kvmemory.server.schemas import Health, Model, ModelList
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=Health)
+async def health(c: Context = Depends(ctx)):
+    return Health(status="ok", model=c.model_id, queue=c.worker.pending)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(c: Context = Depends(ctx)):
+    return ModelList(data=[Model(id=c.model_id)])

@@ -1,0 +1,353 @@
+"""The server's request and response bodies as pydantic models: FastAPI validates every request
+with them and they make the OpenAPI schema complete. Requests are strict (no "3" for 3, no true
+for 1) and refuse unknown keys; a value outside a declared range is a 400 naming its parameter
+(kvmemory.server.errors turns pydantic's errors into OpenAI's shape).
+
+Custom error types (PydanticCustomError) carry the OpenAI error code they answer with:
+missing_required_parameter, unsupported_parameter, invalid_value."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+from kvmemory.index import SELECTORS
+
+MAX_STOP = 4
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+def _non_blank(v: str) -> str:
+    if not v.strip():
+        raise PydanticCustomError("missing_required_parameter", "must be a non-empty string")
+    return v
+
+
+NonBlank = Annotated[str, AfterValidator(_non_blank)]
+
+
+def _neutral(*allowed):
+    """A parameter accepted at its neutral value only (OpenAI clients send some by default)."""
+    def check(v):
+        if v is not None and v not in allowed:
+            raise PydanticCustomError("unsupported_parameter",
+                                      "{value!r} is not supported by this server (supported: {allowed})",
+                                      {"value": v, "allowed": list(allowed)})
+        return v
+    return AfterValidator(check)
+
+
+def _absent(v):
+    if v not in (None, [], {}):
+        raise PydanticCustomError("unsupported_parameter", "not supported by this server")
+    return v
+
+
+Unsupported = Annotated[Any, AfterValidator(_absent)]
+
+
+def _answer(v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not str(v).strip():
+        raise PydanticCustomError("invalid_value", "the expected final answer must be a non-empty string or a number")
+    return str(v)
+
+
+ExpectedAnswer = Annotated[str | int | float | None, AfterValidator(_answer)]
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+    error: ErrorBody
+
+
+# ---------------------------------------------------------------------- chat completions
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")      # name, refusal ...: accepted, unused
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /v1/chat/completions (OpenAI's shape). Sampling parameters this server does not have are
+    accepted at their neutral value only; others are refused with a 400 naming them."""
+    model_config = STRICT
+    model: Annotated[str, Field(min_length=1, examples=["kvmemory"])]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    n: Annotated[int | None, _neutral(1)] = None
+    frequency_penalty: Annotated[float | None, _neutral(0.0)] = None
+    presence_penalty: Annotated[float | None, _neutral(0.0)] = None
+    logprobs: Annotated[bool | None, _neutral(False)] = None
+    parallel_tool_calls: bool | None = None
+    store: Annotated[bool | None, _neutral(False)] = None
+    service_tier: Annotated[str | None, _neutral("auto", "default")] = None
+    top_logprobs: Unsupported = None
+    logit_bias: Unsupported = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    response_format: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    modalities: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (`data: {...}`; the last is `data: [DONE]`)."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvmemory"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    queue: int
+
+
+# ---------------------------------------------------------------------- documents and jobs
+class DocumentCreate(BaseModel):
+    """POST /v1/documents as JSON; the same endpoint takes a multipart upload (`file`, `doc_id`)."""
+    model_config = STRICT
+    text: str
+    doc_id: str | None = None
+
+
+class DocumentUpload(BaseModel):
+    """POST /v1/documents as multipart/form-data."""
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+    doc_id: str | None = None
+
+
+class JobCreated(BaseModel):
+    job_id: str
+    doc_id: str
+    status: Literal["queued", "running", "done", "failed"]
+
+
+class JobProgress(BaseModel):
+    tokens_done: int
+    tokens_total: int | None
+
+
+class Job(BaseModel):
+    id: str
+    doc_id: str
+    status: Literal["queued", "running", "done", "failed"]
+    progress: JobProgress
+    error: str | None
+    created: float
+
+
+class Document(BaseModel):
+    doc_id: str
+    n_tokens: int
+    blocks: int
+    source: str
+    created: float
+
+
+class DocumentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Document]
+
+
+class Deleted(BaseModel):
+    doc_id: str
+    deleted: bool
+
+
+# ---------------------------------------------------------------------- ask
+class AskRequest(BaseModel):
+    """POST /v1/ask. Unset fields take Memory.ask's defaults."""
+    model_config = STRICT
+    question: Annotated[NonBlank, Field(max_length=8000)]
+    top_k: Annotated[int | None, Field(ge=1, le=64)] = None
+    selector: Literal[tuple(SELECTORS)] | None = None          # type: ignore[valid-type]
+    max_new_tokens: Annotated[int | None, Field(ge=1, le=512)] = None
+    recompute: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    expand: bool | None = None
+    min_relevance: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    stream: bool = False
+
+
+class Passage(BaseModel):
+    doc_id: str
+    start_token: int
+    end_token: int
+    score: float
+    text: str
+
+
+class AskResponse(BaseModel):
+    """The answer, the passages it was grafted from (window order) and the figures of the request.
+    Streamed (stream: true), events are {"type": "delta", "text"} and a last {"type": "final", ...}."""
+    answer: str
+    sources: list[Passage]
+    stats: dict[str, Any]
+
+
+# ---------------------------------------------------------------------- the solution library
+class LearnRequest(BaseModel):
+    model_config = STRICT
+    problem: Annotated[NonBlank, Field(max_length=20000)]
+    solution: Annotated[NonBlank, Field(max_length=20000)]
+    answer: ExpectedAnswer = None
+    unverified: bool = False
+
+
+class LearnResponse(BaseModel):
+    entry_id: str
+    verified: bool
+    answer: str | None
+    n_tokens: int
+
+
+class SolveRequest(BaseModel):
+    model_config = STRICT
+    problem: Annotated[NonBlank, Field(max_length=8000)]
+    answer: ExpectedAnswer = None
+    k: Annotated[int, Field(ge=0, le=16)] = 3
+    attempts: Annotated[int, Field(ge=1, le=16)] = 1
+    max_new_tokens: Annotated[int, Field(ge=1, le=512)] = 256
+    learn: bool = True
+    recompute: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+
+
+class SolveResponse(BaseModel):
+    text: str
+    answer: str | None
+    verified: bool | None
+    sources: list[str]
+    learned: str | None
+    stats: dict[str, Any]
+
+
+# ---------------------------------------------------------------------- sessions
+class Recalled(BaseModel):
+    doc_id: str
+    start_token: int
+    end_token: int
+    score: float
+    text: str
+
+
+class Session(BaseModel):
+    id: str
+    states: list[str]
+    turns: int
+    tokens: int
+    created: float
+    updated: float
+    last_recall: list[Recalled]
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    deleted: bool
+    states: int
+    documents: int

@@ -1,0 +1,84 @@
+"""The model worker: model work runs on one thread, in arrival order, with a bounded wait queue
+(more requests than `queue_size` get 429 with Retry-After). Streamed work sends its text deltas
+to the client as server-sent events while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from kvmemory.server.errors import ApiError
+
+
+class Worker:
+    def __init__(self, queue_size: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmemory-model")
+        self.queue_size = queue_size
+        self.pending = 0
+        self.lock = threading.Lock()
+
+    def admit(self) -> None:
+        with self.lock:
+            if self.pending >= self.queue_size:
+                raise ApiError(429, f"the server is busy: {self.pending} requests are waiting for the model; "
+                                    "retry shortly", type_="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"})
+            self.pending += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    async def run(self, fn, *args):
+        """Admit, run fn(*args) on the worker thread, release. Raises ApiError 429 when full."""
+        self.admit()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.release()
+
+    def stream(self, fn, make_events):
+        """Run fn(emit, cancel) on the worker; the response streams the SSE chunks that
+        make_events(kind, payload) makes of each ("delta", text), then ("done", result) or
+        ("error", exception). A client that goes away sets `cancel`."""
+        from fastapi.responses import StreamingResponse
+
+        self.admit()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(text: str) -> bool:
+            loop.call_soon_threadsafe(q.put_nowait, ("delta", text))
+            return cancel.is_set()
+
+        def run():
+            try:
+                res = fn(emit, cancel)
+                loop.call_soon_threadsafe(q.put_nowait, ("done", res))
+            except Exception as e:   # noqa: BLE001 -- reported in the stream
+                loop.call_soon_threadsafe(q.put_nowait, ("error", e))
+            finally:
+                self.release()        # whatever became of the client
+
+        loop.run_in_executor(self.pool, run)
+
+        async def gen():
+            try:
+                while True:
+                    kind, payload = await q.get()
+                    for chunk in make_events(kind, payload):
+                        yield chunk
+                    if kind in ("done", "error"):
+                        break
+            finally:
+                cancel.set()                    # a client that went away frees its slot at the next token
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def sse(obj) -> bytes:
+    """One server-sent event: `data: <json>` (or a bare string such as [DONE])."""
+    return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode()
