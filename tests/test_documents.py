@@ -96,7 +96,7 @@ def test_window_grafts_native_positions_exactly_and_rerotates_others(mem, rng):
     w = plan([cands[0], cands[2]], len(docs.prelude.ids), len(q), 4, 8192, 2)
     assert [s.shift for s in w.slots] == [0, 256]
     kv, _ = build_window(mem, docs, w, docs.prelude_kv())           # [L, 2, H, T, D]
-    stored = mem._read_chain([rows[0]]), mem._read_chain([rows[2]])
+    stored = mem.states_room.read_chain([rows[0]]), mem.states_room.read_chain([rows[2]])
     p = len(docs.prelude.ids)
     k, v = kv[:, 0], kv[:, 1]
     assert torch.equal(k[:, :, p:p + 256], stored[0][:, 0]) and torch.equal(v[:, :, p:p + 256], stored[0][:, 1])

@@ -68,7 +68,7 @@ def test_e3_native_slot_graft_is_the_stored_state_exactly(tmp_path, real_model):
         kv, _ = build_window(mem, docs, w, docs.prelude_kv())
         cache = kvops.make_cache(kv, mem.model.config)
         chain = mem.store.chain(row)
-        stored = kvops.make_cache(mem._read_chain(chain), mem.model.config)
+        stored = kvops.make_cache(mem.states_room.read_chain(chain), mem.model.config)
         with torch.inference_mode():
             a = mem.model(input_ids=torch.tensor([q]), past_key_values=cache).logits
             b = mem.model(input_ids=torch.tensor([q]), past_key_values=stored).logits
@@ -119,7 +119,7 @@ def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exac
         assert st["tokens_rerotated"] == 0 and st["tokens_recomputed"] == 0
         last = ans.window.slots[-1].candidate.row
         assert last in rows and ans.sources[0][1] == 0
-        stored = kvops.make_cache(mem._read_chain(mem.store.chain(last)), mem.model.config)
+        stored = kvops.make_cache(mem.states_room.read_chain(mem.store.chain(last)), mem.model.config)
         q = mem.documents.prelude.question_ids("What is the zyxquor token?")
         with torch.inference_mode():
             ref = kvops.last_logits(mem.model, torch.tensor([q]), stored)

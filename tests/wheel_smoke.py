@@ -1,6 +1,6 @@
 """Run by `make wheel-check` with the installed wheel, from outside the source tree: every
-subpackage is importable, the kernel sources are in the wheel, and an adapter whose framework is
-not installed fails with MissingDependencyError naming its extra."""
+subpackage is importable, the kernel sources are in the wheel, and an adapter (or the server) whose
+framework is not installed fails with MissingDependencyError naming its extra."""
 
 import kvmemory
 import kvmemory.index
@@ -8,15 +8,19 @@ import kvmemory.integrations
 import kvmemory.ops
 import kvmemory.ops.cuda_ext as cuda_ext
 import kvmemory.pager
+import kvmemory.cli
+import kvmemory.states
+import kvmemory.store.location
 
 assert "site-packages" in kvmemory.__file__, f"kvmemory imported from {kvmemory.__file__}, not the wheel"
 missing = [f for f in cuda_ext.SOURCES if not (cuda_ext.source_dir() / f).is_file()]
 assert not missing, f"kernel sources missing from the wheel: {missing}"
-for module, extra in [("langchain", "langchain"), ("llama_index", "llamaindex")]:
+for module, extra in [("integrations.langchain", "langchain"), ("integrations.llama_index", "llamaindex"),
+                      ("server", "serve")]:
     try:
-        __import__(f"kvmemory.integrations.{module}")
+        __import__(f"kvmemory.{module}")
     except kvmemory.MissingDependencyError as e:
         assert f"kvmemory[{extra}]" in str(e), e
     else:
-        raise AssertionError(f"kvmemory.integrations.{module} imported without its framework installed")
-print("wheel: packages and kernel sources present; adapters without their framework name their extra")
+        raise AssertionError(f"kvmemory.{module} imported without its framework installed")
+print("wheel: packages and kernel sources present; adapters and the server without their framework name their extra")

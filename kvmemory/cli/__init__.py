@@ -10,7 +10,7 @@ import os
 import sys
 
 from kvmemory.cli import documents, library, serve, states
-from kvmemory.cli.common import EPILOG
+from kvmemory.cli.common import EPILOG, model_arg
 from kvmemory.errors import KVMemoryError
 
 MODULES = (states, documents, serve, library)
@@ -27,8 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvmemory {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name, help_, desc):
-        return sub.add_parser(name, help=help_, description=desc, epilog=EPILOG)
+    def add(name, run, help_, desc, store=True, model=False):
+        """A subcommand run by run(args); store: the STORE argument (True, or its help text); model: --model."""
+        sp = sub.add_parser(name, help=help_, description=desc, epilog=EPILOG)
+        if store:
+            sp.add_argument("store", metavar="STORE", **({"help": store} if isinstance(store, str) else {}))
+        if model:
+            model_arg(sp)
+        sp.set_defaults(run=run)
+        return sp
     for m in MODULES:
         m.register(add)
     return p

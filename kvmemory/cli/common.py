@@ -13,7 +13,9 @@ EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible servi
           "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget), KVMEMORY_STORE_CACHE_DIR and "
           "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store).")
 
-__all__ = ["EPILOG", "KVMemoryError", "model_arg", "open_memory", "positive_int", "progress"]
+CREATES = "store directory or s3://bucket/prefix (created if missing)"
+
+__all__ = ["CREATES", "EPILOG", "KVMemoryError", "model_arg", "open_memory", "positive_int", "progress"]
 
 
 def model_arg(sp) -> None:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 
-from kvmemory.cli.common import KVMemoryError, model_arg, open_memory, positive_int
+from kvmemory.cli.common import KVMemoryError, open_memory, positive_int
 from kvmemory.config import ASK_MIN_RELEVANCE as MIN_RELEVANCE, ASK_RECOMPUTE as RECOMPUTE, ASK_TOP_K as TOP_K
 from kvmemory.index import SELECTORS
 
 
 def register(add) -> None:
-    """Add this module's commands: add(name, help, description) -> a subparser."""
-    sp = add("add", "deposit documents: prefill once, store every block, index it",
+    """Add this module's commands: add(name, handler, help, description, store=, model=) -> a subparser."""
+    sp = add("add", cmd_add, "deposit documents: prefill once, store every block, index it",
              "Deposit each FILE as a document (its file name is the doc id): computed once in segments behind a "
              "fixed prelude, stored as blocks and indexed for selection. Shows progress with tokens/s on a terminal. "
-             "A document becomes visible only when complete; re-running an interrupted add resumes it.")
-    sp.add_argument("store", metavar="STORE")
+             "A document becomes visible only when complete; re-running an interrupted add resumes it.", model=True)
     sp.add_argument("files", metavar="FILE", nargs="+", help="UTF-8 text files")
     sp.add_argument("--segment-blocks", type=positive_int, default=None, metavar="N",
                     help="blocks per segment (default 4 = 1,024 tokens)")
@@ -24,13 +23,10 @@ def register(add) -> None:
                          "them); ADDRESS of a cluster (e.g. auto, ray://head:10001), or none for a local one. "
                          "The store must be reachable by every worker (s3:// for a cluster)")
     sp.add_argument("--workers", type=positive_int, default=2, metavar="N", help="Ray workers (default 2)")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_add)
 
-    sp = add("ask", "answer a question from the deposited documents",
+    sp = add("ask", cmd_ask, "answer a question from the deposited documents",
              "Select the blocks most relevant to QUESTION, graft them into a fixed-size window in document order "
-             "and answer. Prints the answer, then the sources (doc id, token range, score) and timings.")
-    sp.add_argument("store", metavar="STORE")
+             "and answer. Prints the answer, then the sources (doc id, token range, score) and timings.", model=True)
     sp.add_argument("question", metavar="QUESTION")
     sp.add_argument("--top-k", type=int, default=None, metavar="N",
                     help=f"blocks to select (default {TOP_K}); each comes with the blocks before it in its segment")
@@ -47,42 +43,30 @@ def register(add) -> None:
                     help="graft only the selected blocks, without the blocks before them in their segment")
     sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
     sp.add_argument("--json", action="store_true", help="print answer, sources and stats as JSON")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_ask)
 
-    sp = add("docs", "list deposited documents", "List the store's documents: id, tokens, blocks, source.")
-    sp.add_argument("store", metavar="STORE")
+    sp = add("docs", cmd_docs, "list deposited documents", "List the store's documents: id, tokens, blocks, source.")
     sp.add_argument("--json", action="store_true")
-    sp.set_defaults(run=cmd_docs)
 
-    sp = add("rm", "remove a document and its vectors",
+    sp = add("rm", cmd_rm, "remove a document and its vectors",
              "Remove DOC_ID from the store's document table and its vectors from the index. Its blocks stay on "
-             "disk until `kvmemory gc` reclaims them.")
-    sp.add_argument("store", metavar="STORE")
+             "disk until `kvmemory gc` reclaims them.", model=True)
     sp.add_argument("doc_id", metavar="DOC_ID")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_rm)
 
-    sp = add("reindex", "rebuild the selection indexes from the store",
+    sp = add("reindex", cmd_reindex, "rebuild the selection indexes from the store",
              "Recompute every document block's selection entries (MiniLM windows, BM25 terms, key summaries) "
              "from the store and rewrite the index files "
-             "(they are derived data).")
-    sp.add_argument("store", metavar="STORE")
+             "(they are derived data).", model=True)
     sp.add_argument("--selector", choices=list(SELECTORS), default=None,
                     help="only the indexes this selector needs")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_reindex)
 
-    sp = add("gc", "reclaim the disk space of blocks no state or document uses",
+    sp = add("gc", cmd_gc, "reclaim the disk space of blocks no state or document uses",
              "After rm, the removed document's blocks stay on disk until gc: it records them as freed (from then "
              "on no reader takes them as valid), then removes or rewrites the shard files that hold them. Blocks "
              "committed less than --grace seconds ago are kept: a document being added commits its blocks "
              "before the document itself. Safe to run while others read the store; a crash mid-way is finished "
              "by the next gc. Loads no model.")
-    sp.add_argument("store", metavar="STORE")
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                     help="keep blocks committed in the last SECONDS (default 3600)")
-    sp.set_defaults(run=cmd_gc)
 
 
 def _open_docs(args):

@@ -5,29 +5,25 @@ from __future__ import annotations
 import json
 import sys
 
-from kvmemory.cli.common import KVMemoryError, model_arg, open_memory, positive_int
+from kvmemory.cli.common import CREATES, KVMemoryError, open_memory, positive_int
 
 
 def register(add) -> None:
-    """Add this module's commands: add(name, help, description) -> a subparser."""
-    sp = add("learn", "add verified solutions to the store's solution library",
+    """Add this module's commands: add(name, handler, help, description, store=, model=) -> a subparser."""
+    sp = add("learn", cmd_learn, "add verified solutions to the store's solution library",
              "Read FILE (JSON lines, or - for standard input): each line {\"problem\": ..., \"solution\": ..., "
              "\"answer\": ...}. A solution is stored (as exact KV behind the library prelude, indexed by its "
              "problem) only if its final line 'Answer: X' matches \"answer\"; one that does not is reported and "
              "skipped. Lines without \"answer\" are refused unless --unverified (stored, never grafted by "
-             "solve). Every line is checked before anything is stored.")
-    sp.add_argument("store", metavar="STORE", help="store directory or s3://bucket/prefix (created if missing)")
+             "solve). Every line is checked before anything is stored.", store=CREATES, model=True)
     sp.add_argument("file", metavar="FILE", help="JSON lines file, or - for standard input")
     sp.add_argument("--unverified", action="store_true", help="store lines without an answer, marked unverified")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_learn)
 
-    sp = add("solve", "solve a problem with the nearest verified solutions grafted as worked examples",
+    sp = add("solve", cmd_solve, "solve a problem with the nearest verified solutions grafted as worked examples",
              "Select the K library solutions nearest to PROBLEM, graft their stored KV as worked examples, "
              "prefill only the problem and decode. A problem already in the library is answered from its "
              "stored state in a few tokens. With --answer, up to --attempts answers are drawn until one's "
-             "final answer matches, and a matching solution is learned.")
-    sp.add_argument("store", metavar="STORE")
+             "final answer matches, and a matching solution is learned.", model=True)
     sp.add_argument("problem", metavar="PROBLEM")
     sp.add_argument("-k", type=int, default=3, metavar="K", help="worked examples to graft (default 3)")
     sp.add_argument("--answer", default=None, help="the expected final answer: verify against it")
@@ -39,8 +35,6 @@ def register(add) -> None:
                          "each other (0..1; 1 = as text; default 0)")
     sp.add_argument("--no-learn", action="store_true", help="do not add a verified solution to the library")
     sp.add_argument("--json", action="store_true", help="print JSON")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_solve)
 
 
 def _read_solutions(path: str, unverified: bool) -> list[tuple[str, str, str | None]]:

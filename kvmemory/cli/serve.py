@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import os
 
-from kvmemory.cli.common import KVMemoryError, model_arg, positive_int
+from kvmemory.cli.common import KVMemoryError, positive_int
 
 
 def register(add) -> None:
-    """Add this module's commands: add(name, help, description) -> a subparser."""
-    sp = add("serve", "serve the store over HTTP: document QA and OpenAI-compatible chat",
+    """Add this module's commands: add(name, handler, help, description, store=, model=) -> a subparser."""
+    sp = add("serve", cmd_serve, "serve the store over HTTP: document QA and OpenAI-compatible chat",
              "Serve STORE (created if missing) with FastAPI/uvicorn: POST /v1/documents (deposit jobs), "
              "GET /v1/jobs/ID, GET/DELETE /v1/documents, POST /v1/ask (SSE with stream), GET /v1/models, "
              "POST /v1/chat/completions (OpenAI shapes; every conversation persists as exact KV states, a "
              "request extending one restores its stored prefix), GET/DELETE /v1/sessions/ID, POST /v1/learn and "
              "/v1/solve (the verified-solution library), GET /health. "
-             "Anything but loopback needs an API key.")
-    sp.add_argument("store", metavar="STORE")
+             "Anything but loopback needs an API key.", model=True)
     sp.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000")
     sp.add_argument("--api-key-file", metavar="FILE", default=None,
@@ -28,8 +27,6 @@ def register(add) -> None:
                     help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
                          "replica holding its KV); ADDRESS of a cluster, or none for a local one")
     sp.add_argument("--replicas", type=positive_int, default=2, metavar="N", help="Ray Serve replicas (default 2)")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_serve)
 
 
 def cmd_serve(args) -> int:

@@ -5,54 +5,42 @@ from __future__ import annotations
 import json
 import sys
 
-from kvmemory.cli.common import KVMemoryError, model_arg, open_memory, progress
+from kvmemory.cli.common import CREATES, KVMemoryError, open_memory, progress
 
 
 def register(add) -> None:
-    """Add this module's commands: add(name, help, description) -> a subparser."""
-    sp = add("save", "compute a prompt's KV state and store it; prints the state id",
+    """Add this module's commands: add(name, handler, help, description, store=, model=) -> a subparser."""
+    sp = add("save", cmd_save, "compute a prompt's KV state and store it; prints the state id",
              "Tokenize FILE (UTF-8 text, or - for standard input), compute its KV state block by block "
-             "(reusing blocks the store already has) and commit it. Prints the state id.")
-    sp.add_argument("store", metavar="STORE", help="store directory or s3://bucket/prefix (created if missing)")
+             "(reusing blocks the store already has) and commit it. Prints the state id.", store=CREATES, model=True)
     sp.add_argument("file", metavar="FILE", help="UTF-8 text file, or - for standard input")
     sp.add_argument("--label", default="", help="a name to show in `info --states`")
     sp.add_argument("--chat-system", action="store_true",
                     help="wrap the text as a system prompt of the model's chat template (pair with generate --chat)")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_save)
 
-    sp = add("generate", "restore a state and continue it greedily after PROMPT",
-             "Restore state ID (verified), feed PROMPT after it and print the greedy continuation.")
-    sp.add_argument("store", metavar="STORE")
+    sp = add("generate", cmd_generate, "restore a state and continue it greedily after PROMPT",
+             "Restore state ID (verified), feed PROMPT after it and print the greedy continuation.", model=True)
     sp.add_argument("state_id", metavar="ID", help="state id, or a unique prefix of at least 8 hex digits")
     sp.add_argument("prompt", metavar="PROMPT")
     sp.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default 64")
     sp.add_argument("--chat", action="store_true", help="send PROMPT as a user turn of the chat template")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_generate)
 
-    sp = add("info", "describe a store: model, fingerprint, states, blocks, bytes",
+    sp = add("info", cmd_info, "describe a store: model, fingerprint, states, blocks, bytes",
              "Print the store's model, fingerprint, number of states and blocks, KV bytes, bytes on disk "
              "and compression ratio. Reads the manifest only; loads no model.")
-    sp.add_argument("store", metavar="STORE")
     sp.add_argument("--states", action="store_true", help="also list every state")
     sp.add_argument("--json", action="store_true", help="print JSON")
-    sp.set_defaults(run=cmd_info)
 
-    sp = add("verify", "check every block's digest (E1); with --recompute, recompute each block (E2)",
+    sp = add("verify", cmd_verify, "check every block's digest (E1); with --recompute, recompute each block (E2)",
              "E1: read every committed block and check its digest. With --recompute, E2: recompute every "
              "block from its tokens and parent context with the model and compare bytes. Exits 1 naming "
-             "every bad block.")
-    sp.add_argument("store", metavar="STORE")
+             "every bad block.", model=True)
     sp.add_argument("--recompute", action="store_true", help="also recompute every block with the model (slow)")
-    model_arg(sp)
-    sp.set_defaults(run=cmd_verify)
 
-    sp = add("demo", "save real states, restore them, show bit-exactness and restore-vs-recompute time",
+    sp = add("demo", cmd_demo, "save real states, restore them, show bit-exactness and restore-vs-recompute time",
              "Save a few real prompts with the default model, restore them from disk, check that the next-token "
-             "logits are bit-identical to a fresh computation, and time restore against recompute.")
+             "logits are bit-identical to a fresh computation, and time restore against recompute.", store=False)
     sp.add_argument("--store", metavar="DIR", default=None, help="store directory (default: a temporary one)")
-    sp.set_defaults(run=cmd_demo)
 
 
 def cmd_save(args) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from kvmemory.index import SELECTORS
@@ -94,7 +94,13 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+# OpenAI parameters this server does not have: accepted only absent, null or empty
+UNSUPPORTED = ("top_logprobs", "logit_bias", "tools", "tool_choice", "response_format", "audio", "prediction",
+               "web_search_options", "functions", "function_call", "modalities", "reasoning_effort", "verbosity")
+_Unsupported = create_model("_Unsupported", __config__=STRICT, **{k: (Unsupported, None) for k in UNSUPPORTED})
+
+
+class ChatCompletionRequest(_Unsupported):
     """POST /v1/chat/completions (OpenAI's shape). Sampling parameters this server does not have are
     accepted at their neutral value only; others are refused with a 400 naming them."""
     model_config = STRICT
@@ -119,19 +125,6 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     store: Annotated[bool | None, _neutral(False)] = None
     service_tier: Annotated[str | None, _neutral("auto", "default")] = None
-    top_logprobs: Unsupported = None
-    logit_bias: Unsupported = None
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
-    response_format: Unsupported = None
-    audio: Unsupported = None
-    prediction: Unsupported = None
-    web_search_options: Unsupported = None
-    functions: Unsupported = None
-    function_call: Unsupported = None
-    modalities: Unsupported = None
-    reasoning_effort: Unsupported = None
-    verbosity: Unsupported = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -158,12 +151,16 @@ class Choice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
+class _Completion(BaseModel):
+    """What a completion and each of its chunks carry."""
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     system_fingerprint: str
+
+
+class ChatCompletion(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[Choice]
     usage: Usage
 
@@ -180,13 +177,9 @@ class ChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Completion):
     """One server-sent event of a streamed completion (`data: {...}`; the last is `data: [DONE]`)."""
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
 
