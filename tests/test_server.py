@@ -409,3 +409,19 @@ def test_learn_and_solve_endpoints(served):
     for body in ({"problem": ""}, {"problem": "x", "attempts": 0}, {"problem": "x", "k": 99},
                  {"problem": "x", "learn": 1}, {"problem": "x", "recompute": 1.5}, {"problem": "x", "recompute": True}):
         shaped(httpx.post(url + "/v1/solve", json=body), 400)
+
+
+def test_a_chunked_body_is_limited_and_served(served):
+    """A body sent without Content-Length (chunked) is counted once read: over the limit a 413, under
+    it the route reads the same bytes the middleware did."""
+    url, mem, _ = served
+
+    def chunks(data: bytes, n: int = 4096):
+        for i in range(0, len(data), n):
+            yield data[i:i + n]
+    big = json.dumps({"question": "x" * (2 << 20)}).encode()
+    e = shaped(httpx.post(url + "/v1/ask", content=chunks(big), headers={"content-type": "application/json"}), 413)
+    assert e["code"] == "request_too_large"
+    body = json.dumps({"text": "The harbour opens at dawn.", "doc_id": "chunked"}).encode()
+    r = httpx.post(url + "/v1/documents", content=chunks(body, 7), headers={"content-type": "application/json"})
+    assert r.status_code == 202 and r.json()["doc_id"] == "chunked"
