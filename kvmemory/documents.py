@@ -58,6 +58,24 @@ class PromptLayout:
     answer_prefix: str = ""
 
 
+USER_DOCS = "user:"                 # doc ids of chat memory: user:<hash of the user>:... (kvmemory/chat_memory)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which documents one Documents sees and where its indexes live: the store's shared documents
+    (every doc id outside a user namespace, indexes in STORE/index/), or one user's namespace (doc
+    ids under `prefix`, indexes of its own, a prelude of its own so that its blocks are its alone)."""
+
+    prefix: str = ""                    # doc ids this scope owns start with it ("": the shared scope)
+    index_dir: str = INDEX_DIR          # relative to the store's local directory
+    layout: PromptLayout = PromptLayout()
+    label: str = "kvmemory:prelude"     # the prelude state's label
+
+    def owns(self, doc_id: str) -> bool:
+        return doc_id.startswith(self.prefix) if self.prefix else not doc_id.startswith(USER_DOCS)
+
+
 class Prelude:
     """The fixed text before every segment and, at ask time, before the selected blocks, plus
     the text after them that asks the question. Built from the chat template when there is one."""
@@ -86,16 +104,18 @@ class Prelude:
 class Documents:
     """Deposit, index, select and remove documents of one Memory."""
 
-    def __init__(self, mem, segment_blocks: int = SEGMENT_BLOCKS, key_layer: int | None = None) -> None:
+    def __init__(self, mem, segment_blocks: int = SEGMENT_BLOCKS, key_layer: int | None = None,
+                 scope: Scope = Scope(), embedder=None) -> None:
         self.mem = mem
         self.segment_blocks = segment_blocks
-        self.prelude = Prelude(mem.tokenizer)
+        self.scope = scope
+        self.prelude = Prelude(mem.tokenizer, scope.layout)
         geo = mem.geometry
         self.key_layer = keysel.default_layer(geo.layers) if key_layer is None else key_layer
         from kvmemory.rope import inv_freq
         self.freqs = inv_freq(mem.model)
         self.dims = {"dense": 384, "keys": geo.kv_heads * geo.head_dim}
-        self._embedder = None
+        self._embedder = embedder                   # shared between scopes: one MiniLM per process
         self._indexes: dict = {}                    # kind -> VectorIndex | LexicalIndex
         self._prelude = None
         self._checked: dict[str, int] = {}          # index kind -> manifest commit it was validated at
@@ -143,7 +163,7 @@ class Documents:
         return idx
 
     def _index_path(self, kind: str) -> Path:
-        return self.mem.path / INDEX_DIR / INDEX_FILES[kind]
+        return self.mem.path / self.scope.index_dir / INDEX_FILES[kind]
 
     def live_map(self) -> dict[int, tuple[str, int, int]]:
         """Row -> (doc id, deposit rank, index of the block in the document) of every block of a
@@ -152,6 +172,8 @@ class Documents:
         if self._live[0] != m.commit:
             live: dict[int, tuple[str, int, int]] = {}
             for rank, (doc_id, d) in enumerate(m.docs.items()):
+                if not self.scope.owns(doc_id):
+                    continue
                 for i, r in enumerate(d.rows):
                     live.setdefault(r, (doc_id, rank, i))
             self._live = (m.commit, live)
@@ -209,7 +231,7 @@ class Documents:
         m = self.mem.store.manifest
         seen: set[int] = set()
         todo: list[tuple[int, int | None]] = []            # (row, lead row), documents in order
-        for d in m.docs.values():
+        for d in (d for k, d in m.docs.items() if self.scope.owns(k)):
             for i, r in enumerate(d.rows):
                 if r not in seen:
                     seen.add(r)
@@ -245,7 +267,7 @@ class Documents:
         path = self._index_path(kind)
         with store.write_lock():
             try:
-                path.parent.mkdir(exist_ok=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 idx.save(path)
             except (OSError, RuntimeError) as e:   # faiss reports a full disk as RuntimeError
                 for tmp in path.parent.glob(f".{path.name}.*.tmp"):
@@ -284,7 +306,7 @@ class Documents:
             if sid in mem.store.manifest.states:
                 self._prelude = mem.load(sid)
             else:
-                self._prelude = mem.save(self.prelude.ids, label="kvmemory:prelude")
+                self._prelude = mem.save(self.prelude.ids, label=self.scope.label)
         return self._prelude, mem.store.row_of(bytes.fromhex(sid))
 
     def prelude_kv(self) -> torch.Tensor:
@@ -299,8 +321,11 @@ class Documents:
         if progress is not None:
             progress.total = len(ids)
             progress.refresh()
-        doc_id = doc_id or xxhash.xxh3_64_hexdigest(np.asarray(ids, np.int32).tobytes())
+        doc_id = doc_id or self.scope.prefix + xxhash.xxh3_64_hexdigest(np.asarray(ids, np.int32).tobytes())
         check_doc_id(doc_id)
+        if not self.scope.owns(doc_id):
+            raise InputError(f"document id {doc_id!r} belongs to another namespace (ids starting with {USER_DOCS!r} "
+                             "are chat memory's)")
         store.refresh()
         if doc_id in store.manifest.docs:
             raise InputError(f"document {doc_id!r} already exists; remove it first (kvmemory rm)")
@@ -381,23 +406,32 @@ class Documents:
 
     # ------------------------------------------------------------------ queries
     def docs(self) -> list[DocInfo]:
+        """This scope's documents, oldest first."""
         store = self.mem.require_store()
         store.refresh()
         return [DocInfo(k, d.n_tokens, len(d.rows), d.segments, d.source, d.created)
-                for k, d in sorted(store.manifest.docs.items(), key=lambda kv: kv[1].created)]
+                for k, d in sorted(store.manifest.docs.items(), key=lambda kv: kv[1].created) if self.scope.owns(k)]
 
     def remove(self, doc_id: str) -> None:
         store = self.mem.require_store()
         store.refresh()
-        if doc_id not in store.manifest.docs:
+        if doc_id not in store.manifest.docs or not self.scope.owns(doc_id):
             raise DocumentNotFoundError(f"no document {doc_id!r} in store {self.mem.path}")
-        rows = store.manifest.docs[doc_id].rows
+        self.remove_all([doc_id])
+
+    def remove_all(self, doc_ids) -> int:
+        """Remove documents of this scope in one commit (all unselectable at once, or none), then
+        their rows from the indexes. Ids this scope does not own or the store lacks are skipped."""
+        store = self.mem.require_store()
+        store.refresh()
+        ids = tuple(d for d in dict.fromkeys(doc_ids) if d in store.manifest.docs and self.scope.owns(d))
+        if not ids:
+            return 0
+        rows = [r for d in ids for r in store.manifest.docs[d].rows]
         gone: list[int] = []
 
         def build(s):
-            if doc_id not in s.manifest.docs:
-                raise DocumentNotFoundError(f"document {doc_id!r} was removed by another writer meanwhile")
-            return Change(removed_docs=(doc_id,))
+            return Change(removed_docs=tuple(d for d in ids if d in s.manifest.docs))
 
         def after(m):                               # committed (invisible from here on), still locked
             still = self.live_rows()                # blocks shared with another document stay indexed
@@ -405,6 +439,7 @@ class Documents:
             self._update_indexes(drop=set(gone))
         store.commit(build, after=after)
         self.mem.forget_blocks(gone)
+        return len(ids)
 
 
 def _ident(path: Path) -> tuple | None:

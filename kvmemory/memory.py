@@ -28,6 +28,7 @@ from kvmemory.store.location import locate
 from kvmemory.store.manifest import Manifest
 
 __all__ = ["Memory", "State", "StateInfo"]
+USER_SCOPES = 64                   # users whose selection indexes stay loaded
 
 
 def _locked(method):
@@ -91,6 +92,7 @@ class Memory:
         self._pager = None
         self._documents = None
         self._library = None
+        self._user_docs: dict = {}
         self._segment_blocks = segment_blocks
 
     def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
@@ -117,6 +119,7 @@ class Memory:
     @_locked
     def close(self) -> None:
         self.store = None
+        self._user_docs = {}
         self._pager = None
         self._documents = None
         self._library = None
@@ -291,13 +294,15 @@ class Memory:
         return self.states_room.tokenize(text_or_ids)
 
     @_locked
-    def save(self, text_or_ids, label: str = "") -> State:
+    def save(self, text_or_ids, label: str = "", reuse=None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
-        recomputed. The commit is atomic: a crash leaves the store at its previous commit.
+        recomputed; reuse(row) -> bool, if given, limits that to the rows it accepts (a user's own:
+        another user's blocks are then recomputed, never a cache hit). The commit is atomic: a crash
+        leaves the store at its previous commit.
         """
-        return self.states_room.save(text_or_ids, label)
+        return self.states_room.save(text_or_ids, label, reuse)
 
     @_locked
     def resolve(self, state_id: str) -> str:
@@ -350,6 +355,36 @@ class Memory:
         logits = kvops.last_logits(self.model, ids_tensor(ids, self.model), cache)
         new = greedy(self.model, cache, logits, max_new_tokens, self.eos_ids)
         return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ chat memory
+    def chat_memory(self, user: str):
+        """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember,
+        recall, sessions, forget. Its turns live in a namespace of their own."""
+        from kvmemory.chat_memory import ChatMemory
+        return ChatMemory(self, user)
+
+    def user_documents(self, scope):
+        """The Documents of a user's scope, kept for the last USER_SCOPES users (an idle user's
+        indexes cost nothing: they load on its next request). Shares the MiniLM embedder."""
+        with self._lock:
+            docs = self._user_docs.pop(scope.prefix, None)
+            if docs is None:
+                from kvmemory.documents import Documents
+                docs = Documents(self, scope=scope, embedder=self.documents.embedder)
+            self._user_docs[scope.prefix] = docs                    # most recent last
+            while len(self._user_docs) > USER_SCOPES:
+                self._user_docs.pop(next(iter(self._user_docs)))
+            return docs
+
+    def drop_user_documents(self, scope) -> None:
+        with self._lock:
+            self._user_docs.pop(scope.prefix, None)
+
+    @_locked
+    def add_scoped(self, docs, text: str, doc_id: str, source: str = ""):
+        """Deposit a document into the scope of `docs` (a user's turns: ChatMemory.remember)."""
+        self.require_store()
+        return docs.add(text, doc_id, source=source)
 
     # ------------------------------------------------------------------ verified-solution library
     @property

@@ -97,7 +97,7 @@ class States:
                 f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
                 "split it, or deposit it as a document")
 
-    def save(self, text_or_ids, label: str = "") -> State:
+    def save(self, text_or_ids, label: str = "", reuse=None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
@@ -110,7 +110,8 @@ class States:
         chain = hashing.chain_ids(self.fingerprint, ids, C)
         store.refresh()
         have = 0
-        while have < len(chain) and store.row_of(chain[have]) is not None:
+        while have < len(chain) and store.row_of(chain[have]) is not None and \
+                (reuse is None or reuse(store.row_of(chain[have]))):
             have += 1
         prefix = self.read_chain([store.row_of(b) for b in chain[:have]])
         computed: dict[int, torch.Tensor] = {}

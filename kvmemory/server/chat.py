@@ -20,6 +20,7 @@ from kvmemory import kv as kvops, prompts
 from kvmemory.decode import TextStream, greedy, sampler
 from kvmemory.device import ids_tensor
 from kvmemory.server.errors import ApiError, bad, check_id
+from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_record
 from kvmemory.server.schemas import ChatCompletionRequest
 from kvmemory.server.sessions import Sessions, session_prefix
 
@@ -39,6 +40,7 @@ class ChatParams:
     stream: bool
     include_usage: bool
     session: str | None
+    user: str | None = None        # the owner of a memory across sessions (the `user` field or X-Kvmemory-User)
 
 
 def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -> ChatParams:
@@ -49,9 +51,12 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
                        param="model", code="model_not_found")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
-    session = req.prompt_cache_key or headers.get("x-session-id") or req.user
+    user = req.user or headers.get("x-kvmemory-user")
+    session = req.prompt_cache_key or headers.get("x-session-id") or user
     if session is not None:
         check_id(session, "prompt_cache_key")
+    if user is not None:
+        check_id(user, "user")
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if any(not s for s in stop):
         raise bad("stop", "a stop string must not be empty")
@@ -59,7 +64,7 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
                       1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
-                      bool(req.stream_options and req.stream_options.include_usage), session)
+                      bool(req.stream_options and req.stream_options.include_usage), session, user)
 
 
 class ChatService:
@@ -114,27 +119,37 @@ class ChatService:
             ids = with_excerpts(hits)
         return ids, [{k_: h[k_] for k_ in ("doc_id", "start_token", "end_token", "score", "text")} for h in hits]
 
+    def _prepare(self, p: ChatParams) -> Prepared:
+        """Without a user: the prompt fitted to the window, its prefix restored (or computed) and saved."""
+        mem = self.mem
+        ids, recalled = self.fit(p)
+        prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
+        cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
+        out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
+        return Prepared(ids, cache, out.logits[0, -1], prefix.reused_tokens if prefix is not None else 0,
+                        [prefix.id] if prefix is not None else [], recalled, None, None)
+
     def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
-        """Fit the prompt, restore/compute it, decode, save the conversation. emit(text_delta) streams."""
+        """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
+        save the conversation (and remember the exchange). emit(text_delta) streams."""
         mem = self.mem
         with mem.exclusive():                                      # one request's model work at a time
-            ids, recalled = self.fit(p)
-            prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
-            cached = prefix.reused_tokens if prefix is not None else 0
             with torch.inference_mode():
-                cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
-                out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
+                w = self._prepare(p) if p.user is None else memory_window(self, p)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
-                new = greedy(mem.model, cache, out.logits[0, -1], p.max_tokens, mem.eos_ids,
+                new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=lambda t: stream(t) or cancel.is_set(),
                              pick=sampler(p.temperature, p.top_p, p.seed))
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
-            # the conversation with its reply, computed canonically: the next turn restores it
-            state = mem.save(ids + new, label="kvmemory:chat") if not cancelled else None
+            # the conversation with its reply, computed canonically (without what was recalled):
+            # the next turn restores it
+            state = None if cancelled else mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse)
+            if state is not None and p.user is not None:
+                remember(self, p, text)
         if state is not None and p.session:
-            self.sessions.record(p.session, ([prefix.id] if prefix is not None else []) + [state.id],
-                                 state.n_tokens, recalled)
-        return {"text": text, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(new), "cached_tokens": cached}
+            self.sessions.record(session_record(p), w.states + [state.id], state.n_tokens, w.recalled,
+                                 user=p.user)
+        return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
+                "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory}

@@ -163,6 +163,9 @@ class ChatCompletion(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[Choice]
     usage: Usage
+    kvmemory: dict[str, Any] | None = Field(None, description="with a user: what its memory recalled "
+                                            "(sessions, turns, scores) and the window's tokens grafted, "
+                                            "re-rotated, recomputed, prefilled")
 
 
 class Delta(BaseModel):
@@ -182,6 +185,7 @@ class ChatCompletionChunk(_Completion):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    kvmemory: dict[str, Any] | None = None         # on the chunk that carries finish_reason
 
 
 class Model(BaseModel):
@@ -344,3 +348,31 @@ class SessionDeleted(BaseModel):
     deleted: bool
     states: int
     documents: int
+
+
+# ---------------------------------------------------------------------- users (chat memory)
+class KeptSession(BaseModel):
+    id: str
+    turns: int
+    tokens: int
+    first: float
+    last: float
+    states: int
+
+
+class UserMemory(BaseModel):
+    """What a user's memory keeps (GET /v1/users/{user}/memory)."""
+    user: str
+    turns: int
+    tokens: int
+    kv_bytes: int
+    sessions: list[KeptSession]
+
+
+class UserForgotten(BaseModel):
+    user: str
+    session: str | None
+    deleted: bool
+    turns: int
+    states: int
+    sessions: int

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvmemory.chat_memory import user_key
 from kvmemory.server.persist import JsonFile
 
 SESSION_DOCS = "session:"          # doc ids of chat memory: session:<hash of session id>:<hash of the message>
@@ -24,17 +25,27 @@ class Sessions:
         self.file = JsonFile(root / "sessions.json")
         self.data: dict[str, dict] = self.file.load()
 
-    def record(self, sid: str, state_ids: list[str], tokens: int, recalled: list[dict] | None = None) -> None:
+    def record(self, sid: str, state_ids: list[str], tokens: int, recalled: list[dict] | None = None,
+               user: str | None = None) -> None:
         """One turn of session sid: the states it saved (its prompt, the conversation with the reply),
-        and what was recalled from its older turns (when the conversation outgrew the window)."""
+        and what was recalled (from its older turns, or with a user from the user's memory). A user's
+        sessions are recorded under "<user key>/<session id>" and name their user."""
         with self.file.lock:
-            s = self.data.setdefault(sid, {"id": sid, "states": [], "turns": 0, "created": time.time()})
+            s = self.data.setdefault(sid, {"id": sid.split("/", 1)[-1] if user else sid, "states": [], "turns": 0,
+                                           "created": time.time()})
+            if user is not None:
+                s["user"], s["user_key"] = user, user_key(user)
             s["last_recall"] = recalled or []
             s["states"] += [x for x in state_ids if x not in s["states"]]
             s["tokens"] = tokens
             s["turns"] += 1
             s["updated"] = time.time()
             self.file.save(self.data)
+
+    def of_user(self, user: str) -> dict[str, dict]:
+        """The records of a user's sessions, by record key."""
+        key = user_key(user)
+        return {k: s for k, s in self.data.items() if s.get("user_key") == key}
 
     def forget(self, sid: str) -> dict | None:
         with self.file.lock:

@@ -1,5 +1,5 @@
 """The server's routes, one module an area; each holds an APIRouter named `router`."""
 
-from kvmemory.server.routes import ask, chat, documents, library, meta, sessions
+from kvmemory.server.routes import ask, chat, documents, library, meta, sessions, users
 
-ROUTERS = [meta.router, chat.router, ask.router, documents.router, sessions.router, library.router]
+ROUTERS = [meta.router, chat.router, ask.router, documents.router, sessions.router, users.router, library.router]

@@ -33,16 +33,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
             "system_fingerprint": "kvm-" + c.mem.fingerprint[-12:]}
     if not p.stream:
         r = await c.worker.run(c.chat.complete, p, lambda _: False, threading.Event())
-        return ChatCompletion(**head, usage=usage(r), choices=[Choice(
+        return ChatCompletion(**head, usage=usage(r), kvmemory=r["kvmemory"], choices=[Choice(
             message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"])])
 
-    def chunk(delta: dict | None, finish=None, usage_: Usage | None = None) -> bytes:
+    def chunk(delta: dict | None, finish=None, usage_: Usage | None = None, memory=None) -> bytes:
         """A ChatCompletionChunk event; usage only with stream_options.include_usage (null until the last)."""
         obj = {**head, "object": "chat.completion.chunk",
                "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
                                                      "logprobs": None}]}
         if p.include_usage:
             obj["usage"] = usage_.model_dump() if usage_ is not None else None
+        if memory is not None:
+            obj["kvmemory"] = memory
         return sse(obj)
 
     first = [True]
@@ -54,7 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
         if kind == "delta":
             yield chunk({"content": payload})
         elif kind == "done":
-            yield chunk({}, finish=payload["finish_reason"])
+            yield chunk({}, finish=payload["finish_reason"], memory=payload["kvmemory"])
             if p.include_usage:
                 yield chunk(None, usage_=usage(payload))
             yield sse("[DONE]")

@@ -1,0 +1,167 @@
+"""ChatMemory: the memory of one user.
+
+    remember(messages, session)  every finished exchange (a user message and the reply) is
+                                 deposited once: its KV computed behind the user's own prelude
+                                 (a prefill, no generation, no LLM extraction), its blocks
+                                 indexed in the user's own indexes; visible to the next request
+    recall(query, k)             the user's most relevant earlier turns (the engine of ask:
+                                 MiniLM + BM25 fused), oldest first so the latest sits nearest
+                                 the question (a later "I moved to Oslo" after "I live in Bergen")
+    sessions(), forget(session)  what is kept; forgetting is one commit (all unselectable at
+                                 once), gc then deletes the bytes
+
+Isolation by construction: a user's turns are documents under user:<key>:, a scope that every
+lookup names (kvmemory.documents.Scope), with indexes in STORE/users/<key>/; and their prelude
+names the user's key, so every block of a user's turns has an id no other user's block can have
+(a block another user sent with the same words is a different block, never a cache hit).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from kvmemory.documents import USER_DOCS, PromptLayout, Scope
+from kvmemory.errors import InputError
+
+USERS_DIR = "users"
+MAX_USER = 200
+
+
+def user_key(user: str) -> str:
+    """A user's key in the store (a hash: user names never appear in file or doc names)."""
+    if not isinstance(user, str) or not user or len(user) > MAX_USER or not user.isprintable():
+        raise InputError(f"a user is a non-empty string of at most {MAX_USER} printable characters, got {user!r}")
+    return xxhash.xxh3_128_hexdigest(("kvmemory-user:" + user).encode())[:24]
+
+
+def session_key(session: str) -> str:
+    return xxhash.xxh3_64_hexdigest(("kvmemory-session:" + session).encode())
+
+
+@dataclass(frozen=True)
+class Recall:
+    """One recalled turn: where it is (doc id, token span), whence (session, turn, time), how relevant."""
+    doc_id: str
+    session: str
+    turn: int
+    time: float
+    score: float
+    rows: tuple[int, ...]          # its blocks, in order
+    n_tokens: int
+    text: str
+
+
+class ChatMemory:
+    def __init__(self, mem, user: str) -> None:
+        self.mem, self.user = mem, user
+        self.key = user_key(user)
+        self.prefix = f"{USER_DOCS}{self.key}:"
+        self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index",
+                           layout=PromptLayout(system=f"Notes from earlier conversations with this user "
+                                                      f"(memory {self.key}).",
+                                               intro="", question="\n\nQuestion: {q}"),
+                           label=f"kvmemory:chat-memory:{self.key}")
+
+    @property
+    def docs(self):
+        return self.mem.user_documents(self.scope)
+
+    # ------------------------------------------------------------------ writes
+    def remember(self, messages: list[dict], session: str, when: float | None = None) -> list[str]:
+        """Deposit every finished exchange of `messages` ([{"role", "content"}]: a user message
+        followed by the assistant's reply) not already kept for this session. Returns the doc ids
+        of the turns stored now."""
+        if not isinstance(session, str) or not session:
+            raise InputError("remember needs the session the turns belong to")
+        when = time.time() if when is None else float(when)
+        have = self.mem.require_store().manifest.docs
+        added, n = [], 0
+        for i in range(len(messages) - 1):
+            u, a = messages[i], messages[i + 1]
+            if u.get("role") != "user" or a.get("role") != "assistant":
+                continue
+            n += 1
+            text = f"user: {u['content']}\nassistant: {a['content']}"
+            doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(text.encode())}"
+            if doc_id in have or not text.strip():
+                continue
+            source = json.dumps({"session": session, "turn": n, "time": when})
+            self.mem.add_scoped(self.docs, text, doc_id, source)
+            added.append(doc_id)
+        return added
+
+    # ------------------------------------------------------------------ reads
+    def turns(self, session: str | None = None) -> list[dict]:
+        """The kept turns (oldest first): doc id, session, turn, time, tokens."""
+        out = []
+        for d in self.docs.docs():
+            meta = json.loads(d.source)
+            if session is None or meta["session"] == session:
+                out.append({"doc_id": d.doc_id, **meta, "n_tokens": d.n_tokens, "blocks": d.blocks})
+        return out
+
+    def sessions(self) -> list[dict]:
+        """Sessions with kept turns: id, turns, tokens, first and last time."""
+        by: dict[str, dict] = {}
+        for t in self.turns():
+            s = by.setdefault(t["session"], {"id": t["session"], "turns": 0, "tokens": 0, "first": t["time"],
+                                             "last": t["time"]})
+            s["turns"] += 1
+            s["tokens"] += t["n_tokens"]
+            s["first"], s["last"] = min(s["first"], t["time"]), max(s["last"], t["time"])
+        return sorted(by.values(), key=lambda s: s["first"])
+
+    def recall(self, query: str, k: int = 3, exclude_session: str | None = None) -> list[Recall]:
+        """The k turns most relevant to `query` (never of `exclude_session`: the session asking has
+        them in its own prompt), oldest first."""
+        from kvmemory.retrieve import rank_blocks
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InputError(f"k must be an integer >= 1, got {k!r}")
+        if not isinstance(query, str) or not query.strip():
+            return []
+        store = self.mem.require_store()
+        store.refresh()
+        docs = self.docs
+        if not docs.live_map():
+            return []
+        skip = f"{self.prefix}{session_key(exclude_session)}:" if exclude_session else None
+        ranked = rank_blocks(self.mem, docs, query, "text", n=4 * k,
+                             doc_filter=(lambda d: not d.startswith(skip)) if skip else None)
+        live, best = docs.live_map(), {}
+        for h in ranked:
+            doc_id = live[h.row][0]
+            if doc_id not in best and len(best) < k:
+                best[doc_id] = h.score
+        out = []
+        for doc_id, score in best.items():
+            entry = store.manifest.docs[doc_id]
+            meta = json.loads(entry.source)
+            out.append(Recall(doc_id, meta["session"], meta["turn"], meta["time"], score, tuple(entry.rows),
+                              entry.n_tokens, self._text(entry.rows)))
+        return sorted(out, key=lambda r: (r.time, r.turn))
+
+    def _text(self, rows) -> str:
+        meta = self.mem.require_store().block_meta(list(rows))
+        ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+        return self.mem.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ forgetting
+    def forget(self, session: str | None = None) -> int:
+        """Make the user's turns (of one session, or all) unselectable at once: one commit removes
+        them all; their rows leave the user's indexes; `gc` then deletes their bytes. Forgetting
+        everything also removes the user's index files. Returns how many turns were forgotten."""
+        store = self.mem.require_store()
+        store.refresh()
+        want = self.prefix if session is None else f"{self.prefix}{session_key(session)}:"
+        ids = [d for d in store.manifest.docs if d.startswith(want)]
+        n = self.docs.remove_all(ids)
+        if session is None:
+            with store.write_lock():
+                shutil.rmtree(self.mem.path / USERS_DIR / self.key, ignore_errors=True)
+            self.mem.drop_user_documents(self.scope)
+        return n

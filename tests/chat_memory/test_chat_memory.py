@@ -1,0 +1,108 @@
+"""ChatMemory in Python (tiny random-weight model: selection, isolation and forgetting do not depend
+on the weights): writes, recall across sessions, the latest of two conflicting turns nearest the
+question, isolation by construction, forgetting with gc and a crash mid-forget."""
+
+import numpy as np
+import pytest
+
+import kvmemory
+from kvmemory.store import BlockStore
+
+
+def exchange(user, reply):
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+
+FILLER = ["We talked about the weather and the garden.", "Tell me a joke about ducks.",
+          "What is a good pasta recipe?", "How do I fix a flat bicycle tyre?"]
+
+
+@pytest.fixture
+def mem(tmp_path, tiny):
+    m = kvmemory.Memory(tmp_path / "m.kvm", model=tiny)
+    yield m
+    m.close()
+
+
+def test_remember_recall_sessions_and_the_latest_turn_last(mem):
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("I live in Bergen, by the fish market.", "Bergen is lovely."), "s1", when=100)
+    for i, f in enumerate(FILLER):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
+    alice.remember(exchange("I moved to Oslo last week.", "Congratulations on Oslo!"), "s2", when=200)
+    # the same content again stores nothing (content-addressed, one doc per exchange)
+    assert alice.remember(exchange("I moved to Oslo last week.", "Congratulations on Oslo!"), "s2", when=300) == []
+    hits = alice.recall("Where do I live now? Bergen or Oslo?", k=2)
+    assert {h.session for h in hits} == {"s1", "s2"}
+    assert [h.session for h in hits] == ["s1", "s2"]            # oldest first: the later one nearest the question
+    assert "Oslo" in hits[-1].text and hits[-1].time == 200
+    assert [s["id"] for s in alice.sessions()][:1] == ["s1"] and len(alice.sessions()) == 6
+    assert all(h.session != "s2" for h in alice.recall("Oslo", k=3, exclude_session="s2"))
+
+
+def test_users_are_isolated_by_construction(mem):
+    a, b = mem.chat_memory("alice"), mem.chat_memory("bob")
+    same = exchange("My locker code is 4417.", "Noted, 4417.")
+    a.remember(same, "sa")
+    b.remember(exchange("I like sailing.", "Nice."), "sb")
+    assert all(h.doc_id.startswith(b.prefix) for h in b.recall("What is my locker code?", k=3))
+    assert "4417" not in " ".join(h.text for h in b.recall("locker code 4417", k=3))
+    # the same words from bob are bob's own blocks: no id, no row shared with alice's
+    b.remember(same, "sb")
+    store = mem.require_store()
+    rows_a = {r for d, e in store.manifest.docs.items() if d.startswith(a.prefix) for r in e.rows}
+    rows_b = {r for d, e in store.manifest.docs.items() if d.startswith(b.prefix) for r in e.rows}
+    assert rows_a and rows_b and not rows_a & rows_b
+    # the shared scope (ask, retrieve, the documents API) sees no user's turns
+    assert not [d for d in mem.docs() if d.doc_id.startswith("user:")]
+    with pytest.raises(kvmemory.InputError, match="namespace"):
+        mem.add("not mine", doc_id=a.prefix + "x")
+
+
+def _token_rows(store: BlockStore) -> list[np.ndarray]:
+    """Every token row on disk, whatever the commit log says (what gc must have deleted)."""
+    import zarr
+    g = zarr.open_group(store.root / "data", mode="r")
+    a, n = g["tokens"], store.manifest.next_row
+    return [a[r] for r in range(n)]
+
+
+def test_forget_is_immediate_and_gc_deletes_the_bytes(mem, tmp_path):
+    a, b = mem.chat_memory("alice"), mem.chat_memory("bob")
+    secret = "My passport number is QX778812."
+    a.remember(exchange(secret, "Stored."), "s1")
+    a.remember(exchange("I like tea.", "Tea it is."), "s2")
+    b.remember(exchange("I like coffee.", "Coffee it is."), "t1")
+    store = mem.require_store()
+    b_rows = sorted(r for d, e in store.manifest.docs.items() if d.startswith(b.prefix) for r in e.rows)
+    b_digests = store.block_meta(b_rows)["digest"].copy()
+    ids = mem.tokenizer(secret, add_special_tokens=False)["input_ids"][2:8]
+
+    def holds(st):
+        rows = [[int(t) for t in row if t >= 0] for row in _token_rows(st)]
+        return any(r[i:i + len(ids)] == ids for r in rows for i in range(len(r)))
+    assert holds(store)                                              # the text is on disk before
+    assert a.forget("s1") == 1
+    assert all(h.session != "s1" for h in a.recall("passport number", k=3))     # at once
+    assert a.forget() == 1 and a.recall("tea", k=3) == [] and a.sessions() == []
+    assert not (mem.path / "users" / a.key).exists()
+    mem.gc(grace_s=0)
+    fresh = BlockStore.open(mem.path)
+    assert not holds(fresh)                                          # no token row holds the forgotten text
+    assert np.array_equal(fresh.block_meta(b_rows)["digest"], b_digests)      # bob's blocks: byte-identical
+    assert fresh.verify_all() == [] and b.recall("coffee", k=1)
+
+
+def test_a_crash_mid_forget_leaves_all_or_nothing(mem, monkeypatch):
+    a = mem.chat_memory("alice")
+    for i in range(3):
+        a.remember(exchange(f"Fact number {i}: the sky is {i}.", "Ok."), f"s{i}")
+    import kvmemory.store.commit as commit_mod
+
+    def crash(*args, **kw):
+        raise KeyboardInterrupt("killed before the forget's commit record")
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(commit_mod, "write_record", crash)
+        a.forget()
+    assert len(a.turns()) == 3                                       # nothing was forgotten: all remain
+    assert a.forget() == 3 and a.turns() == []                       # and the next forget finishes it

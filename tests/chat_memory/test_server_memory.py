@@ -1,0 +1,95 @@
+"""Chat memory over HTTP, from the official openai client against a live server: a user's earlier
+sessions recalled as KV into a new one (the response says what), isolation between users (no
+recall, no cache hit), forgetting a session and a user, and the memory surviving a SIGKILL."""
+
+import signal
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import kvmemory  # noqa: E402
+from tests.test_server import _free_port, _spawn_server, _start  # noqa: E402
+
+
+@pytest.fixture
+def served(tmp_path, tiny):
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
+    srv, t, url = _start(create_app(mem, queue_size=4))
+    yield url, mem
+    srv.should_exit = True
+    t.join(timeout=10)
+    mem.close()
+
+
+def ask(client, user, session, text, **kw):
+    return client.chat.completions.create(model="kvmemory", messages=[{"role": "user", "content": text}],
+                                          temperature=0, max_tokens=4, user=user, prompt_cache_key=session, **kw)
+
+
+def test_recall_across_sessions_isolation_and_forgetting(served):
+    url, mem = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    first = ask(client, "alice", "s1", "Remember this: my locker code is 4417 at the harbour gym.")
+    assert first.model_extra["kvmemory"]["recalled"] == []             # nothing kept yet
+    ask(client, "alice", "s3", "I enjoy long walks along the river in autumn.")
+    r = ask(client, "alice", "s2", "What is my locker code at the harbour gym?")
+    m = r.model_extra["kvmemory"]
+    assert m["user"] == "alice" and any("4417" in x["text"] and x["session"] == "s1" for x in m["recalled"])
+    assert m["tokens_grafted"] > 0 and r.usage.prompt_tokens_details.cached_tokens >= m["tokens_grafted"]
+    assert r.usage.prompt_tokens == m["window_tokens"]
+    # streamed: the memory object rides on the chunk with finish_reason
+    chunks = list(client.chat.completions.create(
+        model="kvmemory", messages=[{"role": "user", "content": "Which locker code did I give you?"}],
+        temperature=0, max_tokens=4, user="alice", prompt_cache_key="s4", stream=True))
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert any("4417" in x["text"] for x in last.model_extra["kvmemory"]["recalled"])
+    # another user: recalls nothing of alice's, and alice's exact prompt is no cache hit for bob
+    b = ask(client, "bob", "b1", "Remember this: my locker code is 4417 at the harbour gym.")
+    assert b.model_extra["kvmemory"]["recalled"] == [] and b.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens == b.usage.prompt_tokens
+    b2 = ask(client, "bob", "b2", "What is my locker code at the harbour gym?")
+    assert all(x["session"] == "b1" for x in b2.model_extra["kvmemory"]["recalled"])
+    kept = httpx.get(url + "/v1/users/alice/memory").json()
+    assert {s["id"] for s in kept["sessions"]} == {"s1", "s2", "s3", "s4"} and kept["tokens"] > 0
+    assert kept["kv_bytes"] > kept["tokens"]
+    # forgetting a session: the next request recalls nothing of it
+    gone = httpx.delete(url + "/v1/users/alice/sessions/s1").json()
+    assert gone["deleted"] and gone["turns"] == 1 and gone["states"] >= 1
+    again = ask(client, "alice", "s5", "What is my locker code at the harbour gym?")
+    assert all(x["session"] != "s1" for x in again.model_extra["kvmemory"]["recalled"])
+    assert httpx.delete(url + "/v1/users/alice/sessions/nope").status_code == 404
+    # forgetting the user: nothing is recalled, listed, or kept as a state
+    out = httpx.delete(url + "/v1/users/alice").json()
+    assert out["deleted"] and out["turns"] >= 3
+    assert httpx.get(url + "/v1/users/alice/memory").json()["sessions"] == []
+    assert not [s for s in mem.states() if "chat:" + mem.chat_memory("alice").key in s.label]
+    last = ask(client, "alice", "s6", "What is my locker code at the harbour gym?")
+    assert last.model_extra["kvmemory"]["recalled"] == []
+    assert httpx.get(url + "/v1/users/bob/memory").json()["turns"] == 2     # bob's memory untouched
+
+
+def test_a_users_memory_survives_a_sigkill(tmp_path, tiny_dir):
+    """A real `kvmemory serve` process: alice's first session, SIGKILL, a fresh process on the same
+    store, and a new session of alice's recalls the first one."""
+    store = tmp_path / "k.kvm"
+    port = _free_port()
+    p = _spawn_server(store, port, model=tiny_dir)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        ask(c, "alice", "s1", "Remember: the boat is called Sea Lantern and is moored at pier 9.")
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    port = _free_port()
+    p = _spawn_server(store, port, model=tiny_dir)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        r = ask(c, "alice", "s2", "What is my boat called, and where is it moored?")
+        assert any("Sea Lantern" in x["text"] and x["session"] == "s1" for x in r.model_extra["kvmemory"]["recalled"])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
