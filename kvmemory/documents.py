@@ -71,6 +71,7 @@ class Scope:
     index_dir: str = INDEX_DIR          # relative to the store's local directory
     layout: PromptLayout = PromptLayout()
     label: str = "kvmemory:prelude"     # the prelude state's label
+    head: str | None = None             # the prelude's text as given (instead of one built from layout)
 
     def owns(self, doc_id: str) -> bool:
         return doc_id.startswith(self.prefix) if self.prefix else not doc_id.startswith(USER_DOCS)
@@ -82,10 +83,12 @@ class Prelude:
 
     MARK = "\u0000KVMEMORY-EXCERPTS\u0000"
 
-    def __init__(self, tokenizer, layout: PromptLayout = PromptLayout()) -> None:
+    def __init__(self, tokenizer, layout: PromptLayout = PromptLayout(), head: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.layout = layout
-        if getattr(tokenizer, "chat_template", None):
+        if head is not None:
+            self.head, self.tail = head, layout.question + "\nAnswer:"
+        elif getattr(tokenizer, "chat_template", None):
             self.head, self.tail = prompts.split_at(tokenizer, layout.system,
                                                     layout.intro + self.MARK + layout.question, self.MARK)
         else:
@@ -109,7 +112,7 @@ class Documents:
         self.mem = mem
         self.segment_blocks = segment_blocks
         self.scope = scope
-        self.prelude = Prelude(mem.tokenizer, scope.layout)
+        self.prelude = Prelude(mem.tokenizer, scope.layout, scope.head)
         geo = mem.geometry
         self.key_layer = keysel.default_layer(geo.layers) if key_layer is None else key_layer
         from kvmemory.rope import inv_freq
@@ -143,9 +146,14 @@ class Documents:
         live = self.live_rows()
         if idx is None or self._file_ident.get(kind) != _ident(self._index_path(kind)):
             idx = self._load_index(kind)     # another process may have written it since
-        if idx is None or not live <= {win.row_of(i) for i in idx.ids()}:
+        rows = {win.row_of(i) for i in idx.ids()} if idx is not None else set()
+        if idx is None or not live <= rows:
             self.rebuild("keys" if kind == "keys" else "text")
             idx = self._indexes[kind]
+        elif rows - live and not self.mem.require_store().read_only:
+            # entries of removed documents a crash left behind (their text is in the index files)
+            idx.remove([i for i in idx.ids() if win.row_of(i) not in live])
+            self._save_index(kind, idx)
         self._indexes[kind] = idx
         self._checked[kind] = commit
         return idx
@@ -419,19 +427,22 @@ class Documents:
             raise DocumentNotFoundError(f"no document {doc_id!r} in store {self.mem.path}")
         self.remove_all([doc_id])
 
-    def remove_all(self, doc_ids) -> int:
-        """Remove documents of this scope in one commit (all unselectable at once, or none), then
-        their rows from the indexes. Ids this scope does not own or the store lacks are skipped."""
+    def remove_all(self, doc_ids, states=()) -> int:
+        """Remove documents of this scope (and `states`) in one commit (all unselectable at once, or
+        none), then their rows from the indexes. Ids this scope does not own or the store lacks are
+        skipped. Returns how many documents were removed."""
         store = self.mem.require_store()
         store.refresh()
         ids = tuple(d for d in dict.fromkeys(doc_ids) if d in store.manifest.docs and self.scope.owns(d))
-        if not ids:
+        states = tuple(s for s in states if s in store.manifest.states)
+        if not ids and not states:
             return 0
         rows = [r for d in ids for r in store.manifest.docs[d].rows]
         gone: list[int] = []
 
         def build(s):
-            return Change(removed_docs=tuple(d for d in ids if d in s.manifest.docs))
+            return Change(removed_docs=tuple(d for d in ids if d in s.manifest.docs),
+                          removed_states=tuple(x for x in states if x in s.manifest.states))
 
         def after(m):                               # committed (invisible from here on), still locked
             still = self.live_rows()                # blocks shared with another document stay indexed

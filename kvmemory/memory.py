@@ -294,15 +294,16 @@ class Memory:
         return self.states_room.tokenize(text_or_ids)
 
     @_locked
-    def save(self, text_or_ids, label: str = "", reuse=None) -> State:
+    def save(self, text_or_ids, label: str = "", reuse=None, owner: str | None = None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
         recomputed; reuse(row) -> bool, if given, limits that to the rows it accepts (a user's own:
-        another user's blocks are then recomputed, never a cache hit). The commit is atomic: a crash
-        leaves the store at its previous commit.
+        another user's blocks are then recomputed, never a cache hit); owner, if given, keys the state's
+        id (a user's states are its own entries). The commit is atomic: a crash leaves the store at
+        its previous commit.
         """
-        return self.states_room.save(text_or_ids, label, reuse)
+        return self.states_room.save(text_or_ids, label, reuse, owner)
 
     @_locked
     def resolve(self, state_id: str) -> str:
@@ -357,11 +358,11 @@ class Memory:
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ chat memory
-    def chat_memory(self, user: str):
+    def chat_memory(self, user: str, layout: str | None = None):
         """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember,
-        recall, sessions, forget. Its turns live in a namespace of their own."""
+        recall, reply, sessions, forget. Its turns live in a namespace of their own."""
         from kvmemory.chat_memory import ChatMemory
-        return ChatMemory(self, user)
+        return ChatMemory(self, user, layout)
 
     def user_documents(self, scope):
         """The Documents of a user's scope, kept for the last USER_SCOPES users (an idle user's
@@ -440,7 +441,24 @@ class Memory:
         store = self.require_store()
         report = store.gc(float(grace_s))
         self.forget_blocks(store.manifest.freed)
+        self._drop_forgotten_users()
         return report
+
+    def _drop_forgotten_users(self) -> None:
+        """Index files of users with no turns left (a forget a crash interrupted leaves them)."""
+        import shutil
+
+        from kvmemory.chat_memory.memory import USERS_DIR
+        from kvmemory.documents import USER_DOCS
+        users = self.path / USERS_DIR
+        if not users.is_dir():
+            return
+        keys = {d[len(USER_DOCS):].split(":", 1)[0] for d in self.require_store().manifest.docs
+                if d.startswith(USER_DOCS)}
+        with self.require_store().write_lock():
+            for d in users.iterdir():
+                if d.is_dir() and d.name not in keys:
+                    shutil.rmtree(d, ignore_errors=True)
 
     @_locked
     def info(self, with_states: bool = False) -> dict:

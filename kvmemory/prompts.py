@@ -40,6 +40,13 @@ def turn_text(tokenizer, user: str, assistant: str | None = None, system: str = 
     return full[len(head):]
 
 
+def system_around(tokenizer, content: str, mark: str) -> tuple[str, str]:
+    """The chat-template text of a system message alone, cut at `mark` (which `content` holds once):
+    (the message's opening and content before the mark, the rest of it)."""
+    head, tail = system_text(tokenizer, content).split(mark)
+    return head, tail
+
+
 def split_at(tokenizer, system: str, user: str, mark: str) -> tuple[str, str]:
     """The chat-template text of [system, user] with the assistant's opening, cut at `mark` (which
     `user` holds once): (text before it, text after it)."""

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from kvmemory import hashing, kv as kvops
 from kvmemory.device import to_host, to_model
@@ -97,7 +98,7 @@ class States:
                 f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
                 "split it, or deposit it as a document")
 
-    def save(self, text_or_ids, label: str = "", reuse=None) -> State:
+    def save(self, text_or_ids, label: str = "", reuse=None, owner: str | None = None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
@@ -120,7 +121,8 @@ class States:
             cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
             for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
                 computed[p // C] = to_host(block_kv)
-        state_id = chain[-1].hex()
+        # an owner's state is an entry of its own (its id keyed by the owner), never another's
+        state_id = chain[-1].hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{chain[-1].hex()}".encode())
 
         def kv_of(i: int):
             return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])

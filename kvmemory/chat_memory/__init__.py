@@ -2,6 +2,6 @@
 own, recalled into any later session as KV (kvmemory/chat_memory/memory.py), grafted after a
 session's restored prefix (graft.py)."""
 
-from kvmemory.chat_memory.memory import ChatMemory, Recall, user_key
+from kvmemory.chat_memory.memory import ChatMemory, Forgotten, Recall, user_key
 
-__all__ = ["ChatMemory", "Recall", "user_key"]
+__all__ = ["ChatMemory", "Forgotten", "Recall", "user_key"]

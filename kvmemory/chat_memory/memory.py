@@ -25,10 +25,23 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvmemory import prompts
 from kvmemory.documents import USER_DOCS, PromptLayout, Scope
 from kvmemory.errors import InputError
 
 USERS_DIR = "users"
+HEADER = "What this user said in earlier conversations"
+NOTE = "Notes from earlier conversations with this user"
+LAYOUTS = ("turns", "system")
+# what a remembered exchange reads like: prose, not a transcript (a small model continues a
+# transcript it is shown instead of answering)
+TURN = "On {day}, the user said: {user}\nYou replied: {reply}\n"
+
+
+def said(turn_text: str) -> str:
+    """The user's words of a remembered turn's text."""
+    return turn_text.split("\nYou replied: ")[0].split(", the user said: ", 1)[-1]
+LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (README)
 MAX_USER = 200
 
 
@@ -36,7 +49,7 @@ def user_key(user: str) -> str:
     """A user's key in the store (a hash: user names never appear in file or doc names)."""
     if not isinstance(user, str) or not user or len(user) > MAX_USER or not user.isprintable():
         raise InputError(f"a user is a non-empty string of at most {MAX_USER} printable characters, got {user!r}")
-    return xxhash.xxh3_128_hexdigest(("kvmemory-user:" + user).encode())[:24]
+    return xxhash.xxh3_128_hexdigest(("kvmemory-user:" + user).encode())[:12]     # 48 bits
 
 
 def session_key(session: str) -> str:
@@ -56,16 +69,36 @@ class Recall:
     text: str
 
 
+@dataclass(frozen=True)
+class Forgotten:
+    turns: int
+    states: int
+
+
 class ChatMemory:
-    def __init__(self, mem, user: str) -> None:
+    """layout: how recalled turns sit in a window (kvmemory/chat_memory/window.py), and so what their
+    blocks were computed behind; one per store (LAYOUTS)."""
+
+    def __init__(self, mem, user: str, layout: str | None = None) -> None:
         self.mem, self.user = mem, user
         self.key = user_key(user)
+        self.layout = LAYOUT if layout is None else layout
+        if self.layout not in LAYOUTS:
+            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.prefix = f"{USER_DOCS}{self.key}:"
-        self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index",
-                           layout=PromptLayout(system=f"Notes from earlier conversations with this user "
-                                                      f"(memory {self.key}).",
-                                               intro="", question="\n\nQuestion: {q}"),
-                           label=f"kvmemory:chat-memory:{self.key}")
+        mark = "\u0000KVMEMORY-TURNS\u0000"
+        if self.layout == "system":
+            # inside a system message of their own, as the window shows them: its opening (naming the
+            # user's key: the salt of every block) before them, its end after
+            head, self.foot_text = prompts.system_around(mem.tokenizer, f"{HEADER} (memory {self.key}):\n" + mark,
+                                                         mark)
+        else:
+            # after a system note naming the user's key (the salt of every block), in a user turn;
+            # grafted alone, right after the conversation
+            head, _ = prompts.split_at(mem.tokenizer, f"{NOTE} (memory {self.key}).", mark, mark)
+            self.foot_text = ""
+        self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
+                           label=f"kvmemory:chat-memory:{self.key}", head=head)
 
     @property
     def docs(self):
@@ -86,7 +119,9 @@ class ChatMemory:
             if u.get("role") != "user" or a.get("role") != "assistant":
                 continue
             n += 1
-            text = f"user: {u['content']}\nassistant: {a['content']}"
+            # the date is part of what is kept: questions of time ("which came first?") need it
+            day = time.strftime("%Y-%m-%d", time.gmtime(when))
+            text = TURN.format(day=day, user=u["content"], reply=a["content"])
             doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(text.encode())}"
             if doc_id in have or not text.strip():
                 continue
@@ -150,18 +185,49 @@ class ChatMemory:
         ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
         return self.mem.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def reply(self, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
+              k: int = 3, remember: bool = True):
+        """A greedy reply to `messages` (ending with the user's message) with this user's earlier turns
+        recalled: as="kv" grafts them after the conversation's exact prefix, "text" quotes them in the
+        system message (the text-memory baseline), "none" recalls nothing. Remembers the exchange
+        under `session` (remember=True). Returns (text, stats)."""
+        from kvmemory.chat_memory.window import reply
+        return reply(self.mem, self, messages, session, max_new_tokens, as_, k, remember)
+
+    def own_rows(self) -> set[int]:
+        """Rows of this user's own states (its conversations): the only stored blocks its chats may
+        reuse, so that no other user's prefix is ever its cache hit."""
+        store = self.mem.require_store()
+        store.refresh()
+        mine = f"kvmemory:chat:{self.key}:"
+        rows: set[int] = set()
+        for e in store.manifest.states.values():
+            if e.label.startswith(mine) and e.last_row not in rows:
+                rows.update(store.chain(e.last_row))
+        return rows
+
+    def state_label(self, session: str | None) -> str:
+        """The label of the states a chat of this user saves (its conversations): forget finds them by it."""
+        return f"kvmemory:chat:{self.key}:{session_key(session or '')}"
+
     # ------------------------------------------------------------------ forgetting
-    def forget(self, session: str | None = None) -> int:
-        """Make the user's turns (of one session, or all) unselectable at once: one commit removes
-        them all; their rows leave the user's indexes; `gc` then deletes their bytes. Forgetting
-        everything also removes the user's index files. Returns how many turns were forgotten."""
+    def forget(self, session: str | None = None) -> "Forgotten":
+        """Make the user's turns (of one session, or all) unselectable at once, with the states of
+        those sessions' conversations: one commit removes them all (a crash before it: none; the
+        next forget finishes it); their rows leave the user's indexes (or, should a crash come
+        first, at the indexes' next load); `gc` then deletes their bytes. Forgetting everything also
+        removes the user's index files (gc removes those of a user with no turns left)."""
         store = self.mem.require_store()
         store.refresh()
         want = self.prefix if session is None else f"{self.prefix}{session_key(session)}:"
         ids = [d for d in store.manifest.docs if d.startswith(want)]
-        n = self.docs.remove_all(ids)
+        label = f"kvmemory:chat:{self.key}:" if session is None else self.state_label(session)
+        states = [s for s, e in store.manifest.states.items()
+                  if (e.label.startswith(label) if session is None else e.label == label)
+                  or (session is None and e.label == self.scope.label)]
+        n = self.docs.remove_all(ids, states=states)
         if session is None:
             with store.write_lock():
                 shutil.rmtree(self.mem.path / USERS_DIR / self.key, ignore_errors=True)
             self.mem.drop_user_documents(self.scope)
-        return n
+        return Forgotten(n, len(states))

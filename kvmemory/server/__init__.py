@@ -3,8 +3,9 @@
     app.py        the app factory, error handlers, API key and body-size guard, serve()
     schemas.py    pydantic request and response bodies (the OpenAPI schema)
     routes/       one module an area: meta (health, models), chat, ask, documents (+ jobs),
-                  sessions, library (learn, solve)
+                  sessions, users (chat memory), library (learn, solve)
     chat.py       the chat service: fit to the window, restore, decode, save the conversation
+    memory_chat.py  a chat request with a user: its memory recalled as KV, the exchange remembered
     jobs.py       deposit jobs (persisted, resumed after a restart); sessions.py; persist.py
     worker.py     the model worker (one thread, bounded queue, 429) and SSE streaming
     ray.py        `kvmemory serve --ray`: Ray Serve replicas and a session-affine router

@@ -145,7 +145,8 @@ class ChatService:
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
             # the conversation with its reply, computed canonically (without what was recalled):
             # the next turn restores it
-            state = None if cancelled else mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse)
+            state = None if cancelled else mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse,
+                                                    owner=w.owner)
             if state is not None and p.user is not None:
                 remember(self, p, text)
         if state is not None and p.session:

@@ -17,13 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory import kv as kvops, prompts
-from kvmemory.chat_memory import user_key
-from kvmemory.chat_memory.graft import graft_after
-from kvmemory.device import ids_tensor
+from kvmemory.chat_memory import user_key, window
 from kvmemory.server.errors import ApiError
 
-RECALL_TURNS = 3                   # earlier turns grafted per request at most
 RECALL_SESSION = "default"         # the session of a user's request that names none
 
 
@@ -40,6 +36,7 @@ class Prepared:
     reuse: object                  # reuse(row) -> bool for saves: a user's own rows only
     label: str | None = None
     window: int | None = None      # tokens the reply attends to before it (prompt + grafted), if not len(ids)
+    owner: str | None = None       # keys the ids of the states saved (a user's own entries)
 
 
 def session_record(p) -> str:
@@ -48,40 +45,12 @@ def session_record(p) -> str:
     return p.session if p.user is None else f"{user_key(p.user)}/{p.session}"
 
 
-def own_rows(service, p) -> set[int]:
-    """Rows of the states of this user's sessions: the only stored blocks its requests may reuse."""
-    store = service.mem.require_store()
-    key = user_key(p.user)
-    rows: set[int] = set()
-    for rec in service.sessions.data.values():
-        if rec.get("user_key") != key:
-            continue
-        for sid in rec["states"]:
-            entry = store.manifest.states.get(sid)
-            if entry is not None and store.is_committed(entry.last_row):
-                rows.update(store.chain(entry.last_row))
-    return rows
-
-
-def _split(service, messages: list[dict]) -> tuple[list[int], list[int]] | None:
-    """(ids before the new user message, ids of it with the assistant's opening), or None when the
-    conversation does not end with a user message the template renders separately."""
-    if not messages or messages[-1]["role"] != "user":
-        return None
-    ids = service.ids(messages)
-    tok = service.mem.tokenizer
-    tail = tok(prompts.turn_text(tok, messages[-1]["content"]), add_special_tokens=False)["input_ids"]
-    if len(tail) >= len(ids) or ids[-len(tail):] != tail:
-        return None
-    return ids[:-len(tail)], tail
-
-
 def _fit_with_memory(service, p, cm) -> list[dict]:
     """The messages that fit the window with room for recall: the system message(s) and the latest
     turns; the older exchanges dropped here are remembered first, so recall can bring them back."""
     mem = service.mem
     limit = mem.geometry.max_positions
-    room = limit - p.max_tokens - RECALL_TURNS * mem.block_tokens
+    room = limit - p.max_tokens - window.RECALL_TURNS * mem.block_tokens
     messages = p.messages
     if len(service.ids(messages)) <= room:
         return messages
@@ -102,57 +71,22 @@ def _fit_with_memory(service, p, cm) -> list[dict]:
 def memory_window(service, p) -> Prepared:
     mem = service.mem
     cm = mem.chat_memory(p.user)
-    key = user_key(p.user)
-    owned = own_rows(service, p)
-    reuse = owned.__contains__
-    label = f"kvmemory:chat:{key}"
+    owned = cm.own_rows()
+    label = cm.state_label(p.session)
     messages = _fit_with_memory(service, p, cm)
-    split = _split(service, messages)
-    if split is None:                              # nothing to put the recall before: plain, own rows only
-        ids = service.ids(messages)
-        prefix_ids, tail = ids[:-1], ids[-1:]
-        hits = []
-    else:
-        prefix_ids, tail = split
-        kept = {m["content"] for m in messages}
-        hits = [h for h in cm.recall(messages[-1]["content"], k=RECALL_TURNS, exclude_session=p.session)
-                if h.text.split("\nassistant: ")[0].removeprefix("user: ") not in kept]
-        if len(messages) < len(p.messages):        # older turns of this very session were dropped
-            hits = _merge(hits, [h for h in cm.recall(messages[-1]["content"], k=RECALL_TURNS)
-                                 if h.session == p.session])
-    limit = mem.geometry.max_positions
-    while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + p.max_tokens > limit:
-        hits = hits[1:]                            # the oldest go first: the latest stays nearest
-    if len(prefix_ids) + len(tail) + p.max_tokens > limit:
-        raise ApiError(400, f"the conversation is {len(prefix_ids) + len(tail)} tokens and max_tokens "
-                            f"{p.max_tokens}; the model's window is {limit}", param="messages",
-                       code="context_length_exceeded")
-    if prefix_ids:
-        prefix = mem.save(prefix_ids, label=label, reuse=reuse)
-        prefix_kv, cached, states = prefix.kv, prefix.reused_tokens, [prefix.id]
-        owned.update(mem.require_store().chain(mem.require_store().manifest.states[prefix.id].last_row))
-    else:
-        prefix_kv = torch.zeros((mem.geometry.layers, 2, mem.geometry.kv_heads, 0, mem.geometry.head_dim),
-                                dtype=mem.kv_dtype)
-        cached, states = 0, []
-    rows = [r for h in hits for r in h.rows]
-    kv, grafted, rerotated, _ = graft_after(mem, prefix_kv, rows, mem.documents.freqs)
-    cache = kvops.make_cache(kv.to(mem.model.device), mem.model.config) if kv.shape[3] else \
-        kvops.make_cache(None, mem.model.config)
-    logits = kvops.last_logits(mem.model, ids_tensor(tail, mem.model), cache)
-    recalled = [{"session": h.session, "turn": h.turn, "time": h.time, "doc_id": h.doc_id, "score": h.score,
-                 "tokens": h.n_tokens, "text": h.text} for h in hits]
-    memory = {"user": p.user, "recalled": recalled, "tokens_grafted": grafted, "tokens_rerotated": rerotated,
-              "tokens_recomputed": 0, "tokens_restored": cached + grafted, "tokens_prefilled":
-              len(prefix_ids) - cached + len(tail), "window_tokens": kv.shape[3] + len(tail)}
-    return Prepared(prefix_ids + tail, cache, logits, cached + grafted, states,
-                    [{k: r[k] for k in ("doc_id", "score", "text")} | {"start_token": 0, "end_token": r["tokens"]}
-                     for r in recalled], memory, reuse, label, kv.shape[3] + len(tail))
-
-
-def _merge(a, b):
-    seen = {h.doc_id for h in a}
-    return sorted(a + [h for h in b if h.doc_id not in seen], key=lambda h: (h.time, h.turn))[-RECALL_TURNS:]
+    extra = []
+    if len(messages) < len(p.messages):            # older turns of this very session were dropped
+        extra = [h for h in cm.recall(messages[-1]["content"], k=window.RECALL_TURNS) if h.session == p.session]
+    w = window.build(mem, cm, messages, p.session, p.max_tokens, "kv", reuse=owned.__contains__, label=label,
+                     extra=extra, owner=cm.key)
+    store = mem.require_store()
+    for sid in w.states:                           # the prefix just saved is the user's own from now on
+        owned.update(store.chain(store.manifest.states[sid].last_row))
+    memory = {"user": p.user, **{k: v for k, v in w.stats.items() if k != "recall_s"}}
+    recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
+                 "end_token": r["tokens"]} for r in w.stats["recalled"]]
+    return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, owned.__contains__, label,
+                    w.stats["window_tokens"], cm.key)
 
 
 def remember(service, p, reply: str) -> None:

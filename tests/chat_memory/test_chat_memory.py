@@ -82,9 +82,9 @@ def test_forget_is_immediate_and_gc_deletes_the_bytes(mem, tmp_path):
         rows = [[int(t) for t in row if t >= 0] for row in _token_rows(st)]
         return any(r[i:i + len(ids)] == ids for r in rows for i in range(len(r)))
     assert holds(store)                                              # the text is on disk before
-    assert a.forget("s1") == 1
+    assert a.forget("s1").turns == 1
     assert all(h.session != "s1" for h in a.recall("passport number", k=3))     # at once
-    assert a.forget() == 1 and a.recall("tea", k=3) == [] and a.sessions() == []
+    assert a.forget().turns == 1 and a.recall("tea", k=3) == [] and a.sessions() == []
     assert not (mem.path / "users" / a.key).exists()
     mem.gc(grace_s=0)
     fresh = BlockStore.open(mem.path)
@@ -105,4 +105,36 @@ def test_a_crash_mid_forget_leaves_all_or_nothing(mem, monkeypatch):
         mp.setattr(commit_mod, "write_record", crash)
         a.forget()
     assert len(a.turns()) == 3                                       # nothing was forgotten: all remain
-    assert a.forget() == 3 and a.turns() == []                       # and the next forget finishes it
+    assert a.forget().turns == 3 and a.turns() == []                 # and the next forget finishes it
+
+
+def test_a_crash_after_the_forget_commit_is_finished_by_the_next_load_and_gc(mem, monkeypatch):
+    """The commit landed, the index update did not: the forgotten text is still in the user's index
+    files. The next load of those indexes drops it, and gc removes the files of a user with no turns."""
+    a = mem.chat_memory("alice")
+    a.remember(exchange("My passport number is QX778812.", "Stored."), "s1")
+    a.remember(exchange("I like tea.", "Tea it is."), "s2")
+    index_dir = mem.path / "users" / a.key / "index"
+
+    def text_in_index() -> bool:
+        return any(b"qx778812" in f.read_bytes().lower() for f in index_dir.glob("*"))  # BM25 keeps terms
+    assert text_in_index()
+    from kvmemory.documents import Documents
+
+    def crash(self, *args, **kw):
+        raise KeyboardInterrupt("killed after the commit, before the indexes were updated")
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(Documents, "_update_indexes", crash)
+        a.forget("s1")
+    assert a.recall("passport number", k=3) == [] or all(h.session != "s1" for h in a.recall("passport", k=3))
+    mem.drop_user_documents(a.scope)                      # a fresh load, as in a new process
+    a.recall("tea", k=1)
+    assert not text_in_index()
+    b = mem.chat_memory("bob")
+    b.remember(exchange("I like coffee.", "Coffee."), "t1")
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(Documents, "_update_indexes", crash)
+        b.forget()                                        # the commit lands; the files stay
+    assert (mem.path / "users" / b.key).exists()
+    mem.gc(grace_s=0)
+    assert not (mem.path / "users" / b.key).exists() and (mem.path / "users" / a.key).exists()

@@ -30,15 +30,14 @@ def _memory(mem, sessions, user: str) -> UserMemory:
 
 
 def _forget(mem, sessions, user: str, session: str | None) -> UserForgotten:
-    cm = mem.chat_memory(user)
-    turns = cm.forget(session)
+    gone = mem.chat_memory(user).forget(session)      # turns and states: one commit
     key = user_key(user)
     records = sessions.of_user(user) if session is None else \
         {k: s for k, s in sessions.of_user(user).items() if k == f"{key}/{session}"}
-    states = mem.forget_states([x for s in records.values() for x in s["states"]])
+    states = gone.states + mem.forget_states([x for s in records.values() for x in s["states"]])
     for k in records:
         sessions.forget(k)
-    return UserForgotten(user=user, session=session, deleted=True, turns=turns, states=states,
+    return UserForgotten(user=user, session=session, deleted=True, turns=gone.turns, states=states,
                          sessions=len(records))
 
 

@@ -1,0 +1,151 @@
+"""The window of a chat turn with memory, and a reply from it (Python; the server's chat uses the
+same window):
+
+    [the conversation before the new message: restored exactly from its stored state]
+    [the user's most relevant earlier turns: grafted as KV, re-rotated to follow it]   (as="kv")
+    [the new message and the assistant's opening: prefilled]
+
+as="text" quotes the same recalled turns in the system message instead and prefills everything
+(the text-memory baseline, as mem0-style memories do); as="none" recalls nothing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmemory import kv as kvops, prompts
+from kvmemory.chat_memory.graft import graft_after
+from kvmemory.chat_memory.memory import said
+from kvmemory.decode import TextStream, greedy
+from kvmemory.device import ids_tensor
+from kvmemory.errors import InputError, WindowExceededError
+
+RECALL_TURNS = 3
+QUOTE_HEAD = "What this user said in earlier conversations:\n"     # the text baseline's heading
+
+
+@dataclass
+class Window:
+    ids: list[int]                 # the conversation's tokens (prefix + new message): what is saved after
+    cache: object
+    logits: torch.Tensor           # [vocab]
+    cached: int                    # tokens restored from the store (prefix reused + grafted)
+    states: list[str]              # the prefix state saved on the way
+    hits: list = field(default_factory=list)     # the Recall objects, window order
+    stats: dict = field(default_factory=dict)
+
+
+def split(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+    """(ids before the last user message, ids of it with the assistant's opening), or None when the
+    conversation does not end with a user message the template renders separately."""
+    if not messages or messages[-1]["role"] != "user":
+        return None
+    ids = prompts.chat_ids(tokenizer, messages)
+    tail = tokenizer(prompts.turn_text(tokenizer, messages[-1]["content"]), add_special_tokens=False)["input_ids"]
+    if len(tail) >= len(ids) or ids[-len(tail):] != tail:
+        return None
+    return ids[:-len(tail)], tail
+
+
+def quoted(messages: list[dict], hits) -> list[dict]:
+    """messages with the recalled turns quoted (as text) in the system message."""
+    note = QUOTE_HEAD + "\n".join(h.text.strip() for h in hits)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}] + messages[1:]
+    return [{"role": "system", "content": note}] + messages
+
+
+def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
+          k: int = RECALL_TURNS, reuse=None, label: str | None = None, extra=(), owner: str | None = None) -> Window:
+    """The window of `messages` for user memory `cm` (ChatMemory). Recalled turns exclude `session`'s
+    own (they are in its prompt); `extra` are Recall objects to add (older turns of this session)."""
+    if as_ not in ("kv", "text", "none"):
+        raise InputError(f"recall as 'kv', 'text' or 'none', got {as_!r}")
+    t0 = time.perf_counter()
+    hits = []
+    if as_ != "none" and messages and messages[-1]["role"] == "user":
+        kept = {m["content"] for m in messages}
+        hits = [h for h in cm.recall(messages[-1]["content"], k=k, exclude_session=session)
+                if said(h.text) not in kept]
+        seen = {h.doc_id for h in hits}
+        hits = sorted(hits + [h for h in extra if h.doc_id not in seen], key=lambda h: (h.time, h.turn))[-k:]
+    recall_s = time.perf_counter() - t0
+    limit = mem.geometry.max_positions
+    label = label or "kvmemory:chat"
+    parts = split(mem.tokenizer, messages) if as_ == "kv" and hits else None
+    if parts is None:                                     # quoted as text (or nothing recalled)
+        msgs = quoted(messages, hits) if hits else messages
+        ids = prompts.chat_ids(mem.tokenizer, msgs)
+        while hits and len(ids) + max_new_tokens > limit:
+            hits = hits[1:]                               # the oldest go first
+            ids = prompts.chat_ids(mem.tokenizer, quoted(messages, hits) if hits else messages)
+        _fits(len(ids), max_new_tokens, limit)
+        prefix = mem.save(ids[:-1], label=label, reuse=reuse, owner=owner) if len(ids) > 1 else None
+        cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
+        logits = kvops.last_logits(mem.model, ids_tensor(ids[-1:], mem.model), cache)
+        cached = prefix.reused_tokens if prefix is not None else 0
+        saved = ids if not hits else prompts.chat_ids(mem.tokenizer, messages)
+        return Window(saved, cache, logits, cached, [prefix.id] if prefix is not None else [], hits,
+                      _stats(hits, cached, 0, 0, len(ids) - cached, len(ids), recall_s))
+    prefix_ids, tail = parts
+    while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + max_new_tokens > limit:
+        hits = hits[1:]
+    _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
+    g = mem.geometry
+    if prefix_ids:
+        prefix = mem.save(prefix_ids, label=label, reuse=reuse, owner=owner)
+        prefix_kv, cached, states = prefix.kv, prefix.reused_tokens, [prefix.id]
+    else:
+        prefix_kv = torch.zeros((g.layers, 2, g.kv_heads, 0, g.head_dim), dtype=mem.kv_dtype)
+        cached, states = 0, []
+    # the recall's own system message: its opening is the user's prelude state (the tokens every
+    # turn was computed behind), grafted with the turns, so each turn keeps its relative position
+    # to it; the message's end and the new message are all that is prefilled
+    head = []
+    if cm.layout == "system":
+        _, last = cm.docs._prelude_state()
+        head = mem.require_store().chain(last)
+    foot = (mem.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
+    kv, grafted, rerotated, _ = graft_after(mem, prefix_kv, head + [r for h in hits for r in h.rows],
+                                            mem.documents.freqs)
+    cache = kvops.make_cache(kv.to(mem.model.device), mem.model.config)
+    logits = kvops.last_logits(mem.model, ids_tensor(foot, mem.model), cache)
+    return Window(prefix_ids + tail, cache, logits, cached + grafted, states, hits,
+                  _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot),
+                         kv.shape[3] + len(foot), recall_s))
+
+
+def _fits(n: int, max_new_tokens: int, limit: int) -> None:
+    if n + max_new_tokens > limit:
+        raise WindowExceededError(f"the conversation is {n} tokens and max_new_tokens {max_new_tokens}; the "
+                                  f"model's window is {limit}")
+
+
+def _stats(hits, cached, grafted, rerotated, prefilled, window, recall_s) -> dict:
+    return {"recalled": [{"session": h.session, "turn": h.turn, "time": h.time, "doc_id": h.doc_id,
+                          "score": h.score, "tokens": h.n_tokens, "text": h.text} for h in hits],
+            "tokens_grafted": grafted, "tokens_rerotated": rerotated, "tokens_recomputed": 0,
+            "tokens_restored": cached + grafted, "tokens_prefilled": prefilled, "window_tokens": window,
+            "recall_s": recall_s}
+
+
+@torch.inference_mode()
+def reply(mem, cm, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
+          k: int = RECALL_TURNS, remember: bool = True):
+    """Greedy reply to `messages` with the user's memory; remembers the exchange (remember=True).
+    Returns (text, stats): stats has the window's figures and timings (ttft, decode)."""
+    t0 = time.perf_counter()
+    with mem.exclusive():
+        reuse = cm.own_rows()
+        w = build(mem, cm, messages, session, max_new_tokens, as_, k, reuse=reuse.__contains__,
+                  label=cm.state_label(session), owner=cm.key)
+        ttft = time.perf_counter() - t0
+        stream = TextStream(mem.tokenizer, strip=True)
+        new = greedy(mem.model, w.cache, w.logits, max_new_tokens, mem.eos_ids, on_token=stream)
+        text = stream.finish(new)
+        mem.save(w.ids + new, label=cm.state_label(session), reuse=reuse.__contains__, owner=cm.key)   # next turn
+        if remember and session:
+            cm.remember(messages + [{"role": "assistant", "content": text}], session)
+    return text, {**w.stats, "ttft_s": ttft, "tokens_decoded": len(new), "total_s": time.perf_counter() - t0}
