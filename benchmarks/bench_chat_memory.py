@@ -68,6 +68,15 @@ FILLER = [("Can you suggest a quick breakfast?", "Oatmeal with fruit is quick an
           ("How can I learn to juggle?", "Start with one ball, then two, then add the third."),
           ("Why is the sky blue?", "Sunlight scatters off air molecules, and blue scatters most.")]
 
+HOBBIES = ["pottery", "chess", "birdwatching", "knitting", "climbing", "baking", "rowing", "sketching"]
+
+
+def filler(rng: random.Random) -> list[dict]:
+    """One exchange of small talk, made unique with a detail (a long history is not 12 lines repeated)."""
+    q, a = rng.choice(FILLER)
+    return exchange(f"{q} I ask because of my {rng.choice(HOBBIES)} club, week {rng.randint(1, 500)}.", a)
+
+
 # kind of fact: (statement, update statement or None, question, values)
 FACTS = {
     "locker code": ("Please remember that my locker code is {v}.", None, "What is my locker code?", None),
@@ -96,10 +105,10 @@ def exchange(u: str, a: str) -> list[dict]:
     return [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
 
 
-def make_user(rng: random.Random, sessions: int, filler: int, shared: dict) -> dict:
+def make_user(rng: random.Random, sessions: int, n_filler: int, shared: dict) -> dict:
     """A user's history (sessions of exchanges with times) and its questions with their answers."""
     day0 = 1.75e9
-    hist = [[exchange(*rng.choice(FILLER)) for _ in range(filler)] for _ in range(sessions)]
+    hist = [[filler(rng) for _ in range(n_filler)] for _ in range(sessions)]
     times = [day0 + i * 86400 for i in range(sessions)]
     facts, questions = {}, []
 
@@ -210,6 +219,9 @@ def run(args) -> dict:
     g = mem.geometry
     per_token = g.layers * 2 * g.kv_heads * g.head_dim * mem.kv_dtype.itemsize
     mem.close()
+    if not args.store:                                 # a temporary store: raw blocks of short turns are big
+        import shutil
+        shutil.rmtree(work.parent, ignore_errors=True)
     return {"seed": seed, "args": vars(args), "machine": describe(), "history_tokens_per_user":
             hist_tokens / max(1, len(users)), "exchanges": len(writes),
             "write_ms": {"median": 1000 * statistics.median(writes), "p90": 1000 * _pct(writes, 0.9)},
@@ -305,8 +317,8 @@ def plot(res: dict, path: Path) -> None:
     w = 0.8 / len(s)
     for i, (c, v) in enumerate(s.items()):
         acc = [v["accuracy"][k]["accuracy"] for k in kinds]
-        lo = [a - v["accuracy"][k]["ci95"][0] for a, k in zip(acc, kinds)]
-        hi = [v["accuracy"][k]["ci95"][1] - a for a, k in zip(acc, kinds)]
+        lo = [max(0.0, a - v["accuracy"][k]["ci95"][0]) for a, k in zip(acc, kinds)]
+        hi = [max(0.0, v["accuracy"][k]["ci95"][1] - a) for a, k in zip(acc, kinds)]
         ax.bar([j + i * w for j in range(len(kinds))], acc, w, yerr=[lo, hi], capsize=2, label=c)
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(kinds))], kinds)
     ax.set_ylabel("accuracy (95% CI)")

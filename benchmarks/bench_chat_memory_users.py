@@ -38,11 +38,14 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2, help="exchanges per user")
     ap.add_argument("--probe", type=int, default=50, help="users whose recall is timed")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--codec", default="zstd", help="the store's codec (default zstd: a short turn's block is "
+                                                    "mostly padding, which raw blocks keep on disk)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
-    mem = kvmemory.Memory(Path(tempfile.mkdtemp(prefix="kvm-users-")) / "m.kvm")
+    from kvmemory.config import StoreConfig
+    mem = kvmemory.Memory(Path(tempfile.mkdtemp(prefix="kvm-users-")) / "m.kvm", store_config=StoreConfig(codec=args.codec))
     mem.documents.embedder                               # load MiniLM before the baseline
     base = rss_mib()
     t0 = time.perf_counter()
@@ -66,12 +69,15 @@ def main() -> None:
         warm.append(time.perf_counter() - t)
     users_dir = mem.path / "users"
     index_bytes = sum(f.stat().st_size for f in users_dir.rglob("*") if f.is_file())
-    res = {"seed": seed, "args": vars(args), "machine": describe(), "deposit_s": deposit_s,
+    disk = mem.require_store().disk_bytes()
+    res = {"seed": seed, "args": vars(args), "machine": describe(), "deposit_s": deposit_s, "disk_bytes": disk,
            "rss_mib": {"before_users": base, "after_users": after, "per_user_kib": 1024 * (after - base) / args.users},
            "recall_ms": {"cold_median": 1000 * statistics.median(cold), "cold_max": 1000 * max(cold),
                          "warm_median": 1000 * statistics.median(warm)},
            "index_bytes_per_user": index_bytes / args.users, "loaded_users": len(mem._user_docs)}
     mem.close()
+    import shutil
+    shutil.rmtree(Path(mem.path).parent, ignore_errors=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"chat-memory-users-{time.strftime('%Y-%m-%d')}-{args.users}.json"
@@ -82,7 +88,8 @@ def main() -> None:
           f"({res['rss_mib']['per_user_kib']:.1f} KiB a user; {res['loaded_users']} users' indexes loaded at most)")
     print(f"recall: cold (indexes read from disk) median {res['recall_ms']['cold_median']:.1f} ms, max "
           f"{res['recall_ms']['cold_max']:.1f} ms; warm median {res['recall_ms']['warm_median']:.1f} ms; "
-          f"{res['index_bytes_per_user'] / 1024:.1f} KiB of index files a user")
+          f"{res['index_bytes_per_user'] / 1024:.1f} KiB of index files a user; store {disk / 2**20:.0f} MiB on disk "
+          f"({args.codec})")
     print(f"wrote {path}")
 
 

@@ -20,9 +20,9 @@ def test_a_fact_from_an_earlier_session_is_answered_from_kv(tmp_path, real_model
     alice.remember(exchange("I had pasta with mushrooms for dinner.", "Sounds tasty!"), "s2", when=1.7e9 + 86400)
     alice.remember(exchange("My sister is called Ingrid.", "Nice name, Ingrid."), "s3", when=1.7e9 + 2 * 86400)
     q = [{"role": "user", "content": "What is my locker code?"}]
-    none, _ = alice.reply(q, session="new", max_new_tokens=16, as_="none", remember=False)
-    kv, st = alice.reply(q, session="new", max_new_tokens=16, as_="kv", remember=False)
-    text, st_text = alice.reply(q, session="new", max_new_tokens=16, as_="text", remember=False)
+    none, _ = alice.reply(q, session="new", max_new_tokens=24, as_="none", remember=False)
+    kv, st = alice.reply(q, session="new", max_new_tokens=24, as_="kv", remember=False)
+    text, st_text = alice.reply(q, session="new", max_new_tokens=24, as_="text", remember=False)
     assert "4417" in kv and "4417" not in none
     assert any(r["session"] == "s1" for r in st["recalled"]) and st["tokens_grafted"] > 0
     # the same turns recalled both ways; the KV path prefills far less than quoting them
