@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvmemory import prompts
+from kvmemory.chat_memory.turns import TURN
 from kvmemory.documents import USER_DOCS, PromptLayout, Scope
 from kvmemory.errors import InputError
 
@@ -33,14 +34,7 @@ USERS_DIR = "users"
 HEADER = "What this user said in earlier conversations"
 NOTE = "Notes from earlier conversations with this user"
 LAYOUTS = ("turns", "system")
-# what a remembered exchange reads like: prose, not a transcript (a small model continues a
-# transcript it is shown instead of answering)
-TURN = "On {day}, the user said: {user}\nYou replied: {reply}\n"
 
-
-def said(turn_text: str) -> str:
-    """The user's words of a remembered turn's text."""
-    return turn_text.split("\nYou replied: ")[0].split(", the user said: ", 1)[-1]
 LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (README)
 MAX_USER = 200
 

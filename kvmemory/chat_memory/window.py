@@ -17,7 +17,7 @@ import torch
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.chat_memory.graft import graft_after
-from kvmemory.chat_memory.memory import said
+from kvmemory.chat_memory.turns import said
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, WindowExceededError
