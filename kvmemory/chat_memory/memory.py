@@ -116,7 +116,9 @@ class ChatMemory:
             # the date is part of what is kept: questions of time ("which came first?") need it
             day = time.strftime("%Y-%m-%d", time.gmtime(when))
             text = TURN.format(day=day, user=u["content"], reply=a["content"])
-            doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(text.encode())}"
+            # the exchange's words name it (not its date): a conversation resent on another day is kept once
+            words = f"{u['content']}\u0000{a['content']}"
+            doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(words.encode())}"
             if doc_id in have or not text.strip():
                 continue
             source = json.dumps({"session": session, "turn": n, "time": when})
