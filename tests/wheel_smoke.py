@@ -11,6 +11,7 @@ import kvmemory.pager
 import kvmemory.cli
 import kvmemory.states
 import kvmemory.store.location
+import kvmemory.chat_memory
 
 assert "site-packages" in kvmemory.__file__, f"kvmemory imported from {kvmemory.__file__}, not the wheel"
 missing = [f for f in cuda_ext.SOURCES if not (cuda_ext.source_dir() / f).is_file()]
