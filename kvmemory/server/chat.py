@@ -75,6 +75,24 @@ class ChatService:
     def ids(self, messages: list[dict]) -> list[int]:
         return prompts.chat_ids(self.mem.tokenizer, messages)
 
+    def keep_latest(self, p: ChatParams, room: int, from_user: bool = False) -> tuple[list, list, int]:
+        """(system messages, the rest, k): head + rest[k:] is the longest tail of the conversation
+        that fits `room` tokens (from_user: starting at a user turn); ApiError when not even the
+        latest message fits."""
+        messages = p.messages
+        n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head, rest = messages[:n_head], messages[n_head:]
+        k = 0
+        while k < len(rest) and len(self.ids(head + rest[k:])) > room:
+            k += 1
+        while from_user and k < len(rest) and rest[k]["role"] != "user":
+            k += 1
+        if k >= len(rest):
+            raise ApiError(400, f"the latest message alone does not fit the model's window of "
+                                f"{self.mem.geometry.max_positions} tokens with max_tokens {p.max_tokens}",
+                           param="messages", code="context_length_exceeded")
+        return head, rest, k
+
     def fit(self, p: ChatParams) -> tuple[list[int], list[dict]]:
         """The prompt's token ids. A conversation longer than the window keeps its system message
         and latest turns; its older turns are deposited as the session's documents (once each,
@@ -89,15 +107,7 @@ class ChatService:
             raise ApiError(400, f"the conversation is {len(ids)} tokens and max_tokens {p.max_tokens}; the "
                                 f"model's window is {limit}. Name a session (prompt_cache_key) to keep older turns "
                                 "in memory instead", param="messages", code="context_length_exceeded")
-        n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-        head, rest = messages[:n_head], messages[n_head:]
-        budget = limit - p.max_tokens - (RECALL_BLOCKS + 1) * self.mem.block_tokens
-        k = 0
-        while k < len(rest) and len(self.ids(head + rest[k:])) > budget:
-            k += 1
-        if k >= len(rest):
-            raise ApiError(400, f"the latest message alone does not fit the model's window of {limit} tokens "
-                                f"with max_tokens {p.max_tokens}", param="messages", code="context_length_exceeded")
+        head, rest, k = self.keep_latest(p, limit - p.max_tokens - (RECALL_BLOCKS + 1) * self.mem.block_tokens)
         prefix = session_prefix(p.session)
         have = self.mem.require_store().manifest.docs
         for m in rest[:k]:

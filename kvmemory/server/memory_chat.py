@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from kvmemory.chat_memory import user_key, window
-from kvmemory.server.errors import ApiError
 
 RECALL_SESSION = "default"         # the session of a user's request that names none
 
@@ -49,21 +48,10 @@ def _fit_with_memory(service, p, cm) -> list[dict]:
     """The messages that fit the window with room for recall: the system message(s) and the latest
     turns; the older exchanges dropped here are remembered first, so recall can bring them back."""
     mem = service.mem
-    limit = mem.geometry.max_positions
-    room = limit - p.max_tokens - window.RECALL_TURNS * mem.block_tokens
-    messages = p.messages
-    if len(service.ids(messages)) <= room:
-        return messages
-    n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    head, rest = messages[:n_head], messages[n_head:]
-    k = 0
-    while k < len(rest) and len(service.ids(head + rest[k:])) > room:
-        k += 1
-    while k < len(rest) and rest[k]["role"] != "user":
-        k += 1                                    # start the kept part at a user turn
-    if k >= len(rest):
-        raise ApiError(400, f"the latest message alone does not fit the model's window of {limit} tokens "
-                            f"with max_tokens {p.max_tokens}", param="messages", code="context_length_exceeded")
+    room = mem.geometry.max_positions - p.max_tokens - window.RECALL_TURNS * mem.block_tokens
+    if len(service.ids(p.messages)) <= room:
+        return p.messages
+    head, rest, k = service.keep_latest(p, room, from_user=True)
     cm.remember(rest[:k], p.session)
     return head + rest[k:]
 
