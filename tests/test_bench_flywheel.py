@@ -3,6 +3,7 @@ problems are exact: every worked solution passes its own verifier, no other answ
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ def test_problem_families_are_exact(rng):
     assert {p[0] for p in ps} == set(FAMILIES) and len({p[1] for p in ps}) == 200
     for fam, text, ans, worked in ps:
         assert answer_is(ans)(worked), (text, worked)
-        wrong = "Answer: " + (str(int(ans) + 1) if ans.isdigit() else ans + "x")
+        # a number's wrong answer is the next number ("-8x" would still read as -8, by design)
+        wrong = "Answer: " + (str(int(ans) + 1) if re.fullmatch(r"-?\d+", ans) else ans + "x")
         assert not answer_is(ans)(wrong)
 
 
