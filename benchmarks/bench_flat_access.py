@@ -3,11 +3,14 @@
 Stores of the given sizes use the default model's KV geometry with synthetic KV bytes that
 are real on disk (distinct blocks with valid ids and digests, so every read is verified), a
 real documents table and a real FAISS index (random unit vectors stand in for the text
-embeddings). The same questions are asked of every store with the real model, cold (page
-cache evicted before each question), top-k 8, one answer token. Sizes that do not fit the
-free disk (with a 20% margin) are skipped and reported.
+embeddings). Questions are drawn afresh from each store's own block texts (a few words of a
+random block, so BM25 has something to find) and asked with the real model, cold (page cache
+evicted before each question), at each --top-k, one answer token. The window's grafted
+tokens are reported next to the time: they are held to ask's max_context_tokens budget, so
+neither may grow with the store. Sizes that do not fit the free disk (with a 20% margin) are
+skipped and reported.
 
-    python benchmarks/bench_flat_access.py --tokens 8192,131072 --json out.json
+    python benchmarks/bench_flat_access.py --tokens 16384,131072,1048576 --top-k 2,8 --questions 30
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from machine import describe, drop_from_page_cache  # noqa: E402
 
 import kvmemory  # noqa: E402
@@ -34,10 +38,21 @@ from kvmemory.index import windows as win  # noqa: E402
 from kvmemory.index.lexical import LexicalIndex  # noqa: E402
 from kvmemory.store.manifest import DocEntry  # noqa: E402
 from kvmemory.store import Change, NewBlock  # noqa: E402
+from kvmemory.config import ASK_TOP_K  # noqa: E402
 
-QUESTIONS = ["What torque does the M8 bolt need?", "When was the bridge inspected last?",
-             "Who signed the lease for the warehouse?", "How many pages does the manual have?",
-             "Which valve controls the pressure in the second loop?"]
+
+
+def draw_questions(mem, rng: np.random.Generator, n: int) -> list[str]:
+    """n questions, each a few words of a random block of the store (its random-token text)."""
+    rows = mem.store.manifest.docs["synthetic"].rows
+    pick = rng.choice(len(rows), n, replace=len(rows) < n)
+    meta = mem.store.block_meta([rows[i] for i in pick])
+    out = []
+    for i in range(n):
+        words = mem.tokenizer.decode([int(t) for t in meta["tokens"][i][:meta["n_tokens"][i]]]).split()
+        a = int(rng.integers(0, max(1, len(words) - 6)))
+        out.append("What about " + " ".join(words[a:a + 6]) + "?")
+    return out
 
 
 def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> tuple[float, int]:
@@ -142,8 +157,8 @@ def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16384,131072,1048576")
-    ap.add_argument("--questions", type=int, default=5)
-    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--questions", type=int, default=30, help="questions per size and k (default 30)")
+    ap.add_argument("--top-k", default=f"{ASK_TOP_K},8", help=f"comma-separated (default {ASK_TOP_K},8)")
     ap.add_argument("--json", default=None, help="write the JSON here (default benchmarks/results/flat-DATE.json)")
     ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
     ap.add_argument("--no-faiss", action="store_true", help="skip the flat-vs-IVF search measurement")
@@ -152,6 +167,7 @@ def main() -> None:
     from kvmemory.model import load_model
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="bench-flat-", dir=args.dir))
+    ks = [int(x) for x in args.top_k.split(",")]
     rng = np.random.default_rng()
     rows, skipped = [], []
     per_token = 46080
@@ -166,40 +182,51 @@ def main() -> None:
         print(f"  built {n} tokens in {build_s:.0f} s ({disk / 1e9:.1f} GB)", file=sys.stderr)
         mem = kvmemory.Memory(path, model=(model, tok))
         _ = mem.documents.embedder                  # load MiniLM before timing, like a warm service
-        mem.ask(QUESTIONS[0], top_k=args.top_k, max_new_tokens=1)     # warm model code paths
-        parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": [], "other": []}
-        for q in QUESTIONS[:args.questions]:
-            mem._pager = None                       # cold host tier ...
-            drop_from_page_cache(path)              # ... and cold page cache
-            t = time.perf_counter()
-            a = mem.ask(q, top_k=args.top_k, max_new_tokens=1)
-            parts["ask"].append((time.perf_counter() - t) * 1e3)
-            ts = a.stats["timings_s"]
-            parts["select"].append(ts["select"] * 1e3)
-            parts["page_in"].append(ts["page_in_and_graft"] * 1e3)
-            parts["first_token"].append(ts["first_token"] * 1e3)
-            parts["disk_read"].append(ts["disk_read"] * 1e3)
-            # the rest: manifest refresh, question tokens, planning, stats
-            parts["other"].append(parts["ask"][-1] - (ts["select"] + ts["page_in_and_graft"] + ts["first_token"]) * 1e3)
+        questions = draw_questions(mem, rng, args.questions)
+        for k in ks:
+            mem.ask(questions[0], top_k=k, max_new_tokens=1)     # warm model code paths
+            parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": [], "other": []}
+            grafted = []
+            for q in tqdm(questions, desc=f"{n} tokens, k {k}", disable=not sys.stderr.isatty()):
+                mem._pager = None                       # cold host tier ...
+                drop_from_page_cache(path)              # ... and cold page cache
+                t = time.perf_counter()
+                a = mem.ask(q, top_k=k, max_new_tokens=1)
+                parts["ask"].append((time.perf_counter() - t) * 1e3)
+                ts = a.stats["timings_s"]
+                parts["select"].append(ts["select"] * 1e3)
+                parts["page_in"].append(ts["page_in_and_graft"] * 1e3)
+                parts["first_token"].append(ts["first_token"] * 1e3)
+                parts["disk_read"].append(ts["disk_read"] * 1e3)
+                # the rest: manifest refresh, question tokens, planning, stats
+                parts["other"].append(parts["ask"][-1] - (ts["select"] + ts["page_in_and_graft"] + ts["first_token"]) * 1e3)
+                grafted.append(a.stats["tokens_restored"] - len(mem.documents.prelude.ids))
+            q10, q90 = np.percentile(parts["ask"], [10, 90])
+            rows.append({"store_tokens": n, "top_k": k, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
+                         "ask_ms_median": statistics.median(parts["ask"]), "ask_ms_p10": float(q10),
+                         "ask_ms_p90": float(q90),
+                         **{f"{key}_ms_median": statistics.median(v) for key, v in parts.items() if key != "ask"},
+                         "grafted_tokens_median": statistics.median(grafted), "grafted_tokens_max": max(grafted),
+                         "ask_ms_all": parts["ask"]})
         mem.close()
-        rows.append({"store_tokens": n, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
-                     "ask_ms_median": statistics.median(parts["ask"]),
-                     **{f"{k}_ms_median": statistics.median(v) for k, v in parts.items() if k != "ask"},
-                     "ask_ms_all": parts["ask"]})
         shutil.rmtree(path, ignore_errors=True)
     faiss_rows = [] if args.no_faiss else faiss_scaling(rng)
     machine = describe()
+    from kvmemory.config import ASK_CONTEXT_TOKENS
     result = {"benchmark": "flat_access", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "top_k": args.top_k, "rows": rows, "skipped": skipped, "faiss": faiss_rows}
-    print(f"\nflat access — ask latency (selection + page-in + first token), cold, top-k {args.top_k}; "
-          f"{machine['cpu']}, {machine['cores']} cores")
-    print(f"{'tokens':>9} {'x window':>8} {'blocks':>6} {'ask ms':>7} {'select':>7} {'page-in':>7} {'disk':>6} "
-          f"{'1st tok':>7} {'other':>6} {'vs first':>8}")
+              "machine": machine, "top_k": ks, "questions": args.questions, "max_context_tokens": ASK_CONTEXT_TOKENS,
+              "command": " ".join(sys.argv), "rows": rows, "skipped": skipped, "faiss": faiss_rows}
+    print(f"\nflat access — ask latency (selection + page-in + first token), cold, {args.questions} questions; "
+          f"{machine['cpu']}, {machine['cores']} cores; max_context_tokens {ASK_CONTEXT_TOKENS}")
+    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'grafted':>7} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
+          f"{'page-in':>7} {'disk':>6} {'1st tok':>7} {'other':>6} {'vs first':>8}")
     for r in rows:
-        print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['blocks']:6d} {r['ask_ms_median']:7.0f} "
+        first = next(x for x in rows if x["top_k"] == r["top_k"])
+        print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['top_k']:2d} {r['grafted_tokens_median']:7.0f} "
+              f"{r['ask_ms_median']:7.0f} {r['ask_ms_p10']:5.0f}-{r['ask_ms_p90']:<5.0f} "
               f"{r['select_ms_median']:7.1f} {r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "
               f"{r['first_token_ms_median']:7.0f} {r['other_ms_median']:6.0f} "
-              f"{r['ask_ms_median'] / rows[0]['ask_ms_median']:8.2f}")
+              f"{r['ask_ms_median'] / first['ask_ms_median']:8.2f}")
     for s in skipped:
         print(f"skipped {s['store_tokens']}: {s['why']}")
     for f in faiss_rows:
@@ -219,15 +246,18 @@ def _plot(rows, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    x = [r["store_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    bottom = np.zeros(len(rows))
-    for k in ("select", "page_in", "first_token", "other"):
-        v = np.array([r[f"{k}_ms_median"] for r in rows])
-        ax.bar([str(t) for t in x], v, bottom=bottom, label=k.replace("_", " "))
-        bottom += v
-    ax.set(xlabel="store tokens", ylabel="ms (median, cold)", title="ask latency by store size")
-    ax.legend()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for k in dict.fromkeys(r["top_k"] for r in rows):
+        rs = [r for r in rows if r["top_k"] == k]
+        x = [r["store_tokens"] for r in rs]
+        med = np.array([r["ask_ms_median"] for r in rs])
+        a.errorbar(x, med, yerr=[med - [r["ask_ms_p10"] for r in rs], [r["ask_ms_p90"] for r in rs] - med],
+                   fmt="o-", capsize=3, label=f"top-k {k}")
+        b.plot(x, [r["grafted_tokens_median"] for r in rs], "o-", label=f"top-k {k}")
+    a.set(xscale="log", xlabel="store tokens", ylabel="ask ms (median, p10-p90; cold)", title="ask latency")
+    b.set(xscale="log", xlabel="store tokens", ylabel="grafted tokens (median)", title="the window")
+    a.legend()
+    b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

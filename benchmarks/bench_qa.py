@@ -52,10 +52,17 @@ SELECTOR_KS = (1, 2, 4, 8)
 
 
 def parse_config(name: str) -> dict:
-    """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75' -> ask() keyword arguments (c: min_relevance)."""
+    """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75', 'k2-rr8-m0.05', 'k8-b2048' -> ask() keyword arguments
+    (c: min_relevance, rr: rerank, m: rerank_margin, b: max_context_tokens)."""
     out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE}
     for part in name.split("-"):
-        if part.startswith("k"):
+        if part.startswith("rr"):
+            out["rerank"] = int(part[2:])
+        elif part.startswith("m"):
+            out["rerank_margin"] = float(part[1:])
+        elif part.startswith("b"):
+            out["max_context_tokens"] = int(part[1:])
+        elif part.startswith("k"):
             out["top_k"] = int(part[1:])
         elif part.startswith("c"):
             out["min_relevance"] = float(part[1:])
@@ -157,6 +164,8 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
             r["prefilled"].append(st["tokens_prefilled"])
             r["restored"].append(st["tokens_restored"])
             r["recomputed"].append(st["tokens_recomputed"])
+            r["rerank_s"].append(st["timings_s"]["rerank"])
+            r["rerank_restored"].append(st["reranked"]["tokens_restored"])
             r["_first"] = a.first_logits
             r["_window"] = a.window.slots
             replies[name] = a.text
@@ -207,12 +216,15 @@ def _record(r, q, reply, recall, ttft, prefilled, restored) -> None:
     r["prefilled"].append(prefilled)
     r["restored"].append(restored)
     r["recomputed"].append(0)
+    r["rerank_s"].append(0.0)
+    r["rerank_restored"].append(0)
 
 
 def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
     per_doc = args.needles_per_doc or min(args.questions, max(8, size // 1024))
     methods = [m for m in ("ceiling", "full", "rag") if m in args.methods] + list(configs)
-    res = {m: {k: [] for k in ("correct", "shape", "recall", "ttft", "prefilled", "restored", "recomputed", "kl")}
+    res = {m: {k: [] for k in ("correct", "shape", "recall", "ttft", "prefilled", "restored", "recomputed", "kl",
+                                  "rerank_s", "rerank_restored")}
            for m in methods}
     sel = {s: {k: 0 for k in SELECTOR_KS} for s in args.selectors}
     examples, docs, left, n = [], [], args.questions, 0
@@ -239,6 +251,8 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
             "ttft_median_s": statistics.median(r["ttft"]), "prefilled_median": statistics.median(r["prefilled"]),
             "restored_median": statistics.median(r["restored"]),
             "recomputed_median": statistics.median(r["recomputed"]),
+            "rerank_s_median": statistics.median(r["rerank_s"]),
+            "rerank_restored_median": statistics.median(r["rerank_restored"]),
             "kl_vs_rag_median": statistics.median(r["kl"]) if r["kl"] else None,
             "kl_vs_rag_max": max(r["kl"]) if r["kl"] else None}
     return out
@@ -251,7 +265,8 @@ def main() -> None:
     ap.add_argument("--needles-per-doc", type=int, default=None,
                     help="questions per haystack (default: size/1024, at least 8); more haystacks make up the rest")
     ap.add_argument("--configs", default=f"k{ASK_TOP_K}-r0,k{ASK_TOP_K}-r0.15",
-                    help="ask() settings to compare: kK[-rR][-noexp], comma-separated")
+                    help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB], comma-separated "
+                         "(rr: re-rank N blocks with the model, m: its margin, b: max_context_tokens)")
     ap.add_argument("--methods", default="ceiling,full,rag", help="baselines: ceiling, full, rag")
     ap.add_argument("--selectors", default="text,dense,bm25,keys", help="selectors whose recall@k is measured")
     ap.add_argument("--max-new-tokens", type=int, default=20)

@@ -18,7 +18,14 @@ CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dak
           "Krakow", "Sapporo", "Valencia", "Tallinn", "Windhoek", "Hobart", "Cordoba", "Mombasa", "Izmir", "Leeds",
           "Utrecht", "Aarhus", "Gdansk", "Salta", "Durban", "Pune", "Busan", "Cebu", "Fez", "Kazan", "Trieste",
           "Granada", "Dublin", "Vilnius", "Split", "Ohrid", "Bruges", "Seville", "Naples", "Turin", "Basel",
-          "Geneva", "Bremen", "Leipzig", "Nantes", "Lille", "Bologna", "Verona", "Antwerp", "Graz", "Brno"]
+          "Geneva", "Bremen", "Leipzig", "Nantes", "Lille", "Bologna", "Verona", "Antwerp", "Graz", "Brno",
+          "Arequipa", "Bamako", "Chiclayo", "Dundee", "Esbjerg", "Faro", "Galway", "Haifa", "Iquitos", "Jaipur",
+          "Kigali", "Lusaka", "Maputo", "Nagoya", "Odense", "Palermo", "Rabat", "Sendai", "Tampere", "Uppsala",
+          "Varna", "Wroclaw", "Yerevan", "Zurich", "Aveiro", "Bursa", "Cadiz", "Debrecen", "Erfurt", "Florence",
+          "Gothenburg", "Harbin", "Innsbruck", "Jena", "Kaunas", "Linz", "Mendoza", "Nice", "Oulu", "Plovdiv",
+          "Recife", "Siena", "Toulouse", "Ulm", "Vigo", "Wuhan", "Xalapa", "Yokohama", "Zadar", "Arusha", "Bergamo",
+          "Calgary", "Darwin", "Essen", "Fukuoka", "Genoa", "Hamilton", "Ibadan", "Kobe", "Lublin", "Malaga",
+          "Nis", "Oviedo", "Parma", "Regina"]
 FIRST = ["Alice", "Bilal", "Chen", "Dara", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jana", "Kofi", "Lena", "Marco",
          "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wanda", "Yusuf"]
 LAST = ["Moreno", "Haddad", "Wei", "Okafor", "Yilmaz", "Nasser", "Petrov", "Sato", "Kowalski", "Novak", "Mensah",

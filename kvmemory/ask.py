@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K
+from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_MARGIN,
+                             ASK_TOP_K)
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor, to_host
 from kvmemory.errors import EmptyStoreError, InputError, WindowExceededError
@@ -24,6 +25,7 @@ from kvmemory.retrieve import check_selector, rank_blocks, relevant
 from kvmemory.window import Candidate, WindowPlan, plan
 
 TOP_K, RECOMPUTE, MIN_RELEVANCE = ASK_TOP_K, ASK_RECOMPUTE, ASK_MIN_RELEVANCE
+RERANK, RERANK_MARGIN, CONTEXT_TOKENS = ASK_RERANK, ASK_RERANK_MARGIN, ASK_CONTEXT_TOKENS
 
 
 @dataclass
@@ -107,7 +109,8 @@ def check_recompute(recompute) -> None:
 
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
         recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE,
-        on_token=None, doc_filter=None) -> Answer:
+        on_token=None, doc_filter=None, rerank: int = RERANK, rerank_margin: float = RERANK_MARGIN,
+        max_context_tokens: int = CONTEXT_TOKENS) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
@@ -117,6 +120,12 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         raise InputError(f"min_relevance is a fraction of the best block's BM25 score in [0, 1], got {min_relevance!r}")
     check_recompute(recompute)
     check_selector(selector)
+    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
+        raise InputError(f"rerank is how many ranked blocks to re-rank with the model (0: none), got {rerank!r}")
+    if isinstance(rerank_margin, bool) or not isinstance(rerank_margin, (int, float)) or not rerank_margin >= 0:
+        raise InputError(f"rerank_margin is in nats per question token, a number >= 0, got {rerank_margin!r}")
+    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
+        raise InputError(f"max_context_tokens is a number of tokens >= 1, got {max_context_tokens!r}")
     store = mem.require_store()
     store.refresh()
     manifest = store.manifest
@@ -130,13 +139,20 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                                   f"prelude and {max_new_tokens} answer tokens")
     # ---- selection
     t = time.perf_counter()
-    ranked = relevant(rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16), doc_filter=doc_filter),
-                      top_k, min_relevance)
-    if not ranked:
+    pool = rank_blocks(mem, docs, question, selector, n=max(4 * top_k, 16, rerank), doc_filter=doc_filter)
+    if not pool:
         raise EmptyStoreError(f"store {mem.path} holds no document this question may use")
     select_s = time.perf_counter() - t
+    rr = {"blocks": 0, "tokens_restored": 0, "tokens_prefilled": 0, "seconds": 0.0}
+    if rerank > 1:
+        from kvmemory.rerank import contenders, rerank as _rerank, within_margin
+        ranked, rr = _rerank(mem, docs, q_ids, contenders(pool, rerank, min_relevance), rerank)
+        ranked = within_margin(ranked, top_k, rerank_margin)
+    else:
+        ranked = relevant(pool, top_k, min_relevance)
     cands, context = candidates(mem, docs, ranked, expand)
-    window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context)
+    window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context,
+                  max_context_tokens)
     # the RoPE shift of every slot comes from its stored positions: trust them only once its id
     # re-derives from its parent, tokens and positions (StoreCorruptError otherwise)
     store.verified_meta([s.candidate.row for s in window.slots])
@@ -172,6 +188,8 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     exact = exact_tokens - window.prelude_tokens
     stats = {
         "selector": selector, "top_k": top_k, "recompute": recompute, "min_relevance": min_relevance,
+        "rerank": rerank, "rerank_margin": rerank_margin, "max_context_tokens": max_context_tokens,
+        "reranked": rr,
         "window_tokens": window.context_tokens + len(q_ids) + len(new),
         "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),
         "tokens_exact": exact, "tokens_rerotated": sum(s.candidate.n_tokens for s in window.slots if s.shift),
@@ -184,7 +202,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                            if mem.store.remote else {})},
         "tiers": fetch.tiers,
         "ranking": [{"row": h.row, "score": h.score, "ranks": h.ranks} for h in ranked],
-        "timings_s": {"select": select_s, "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,
+        "timings_s": {"select": select_s, "rerank": rr["seconds"], "page_in_and_graft": graft_s, "disk_read": fetch.disk_s,
                       "first_token": first_token_s, "ttft": ttft, "decode": decode_s,
                       "total": time.perf_counter() - t0},
         "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),

@@ -98,3 +98,10 @@ def from_env(cls: type, env: dict[str, str] | None = None, **overrides):
 ASK_TOP_K = 2
 ASK_RECOMPUTE = 0.0
 ASK_MIN_RELEVANCE = 0.75
+# re-rank the fused ranking's first ASK_RERANK blocks by the question's likelihood over their
+# stored KV (kvmemory/rerank.py; 0: off); keep a second block only within ASK_RERANK_MARGIN
+# nats per question token of the best
+ASK_RERANK = 0
+ASK_RERANK_MARGIN = 0.05
+# the grafted tokens of one answer, whatever the store's size (window.plan)
+ASK_CONTEXT_TOKENS = 2048

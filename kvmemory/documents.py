@@ -103,6 +103,10 @@ class Prelude:
         """The tokens after the excerpts: the question (as text) and the opening of the answer."""
         return self._before + text_ids(self.tokenizer, " " + question.strip()) + self._after
 
+    def question_span(self, q_ids: list[int]) -> tuple[int, int]:
+        """Where the question's own words lie in question_ids(...): [start, stop)."""
+        return len(self._before), len(q_ids) - len(self._after)
+
 
 class Documents:
     """Deposit, index, select and remove documents of one Memory."""

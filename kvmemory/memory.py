@@ -204,7 +204,8 @@ class Memory:
     @_locked
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
             recompute: float | None = None, expand: bool = True, min_relevance: float | None = None,
-            on_token=None, doc_filter=None):
+            on_token=None, doc_filter=None, rerank: int | None = None, rerank_margin: float | None = None,
+            max_context_tokens: int | None = None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
@@ -220,13 +221,22 @@ class Memory:
         on_token(text_delta), if given, receives the answer as it is decoded (streaming); returning
         True from it stops the decoding there.
         doc_filter(doc_id) -> bool, if given, limits selection to the documents it accepts.
+        rerank (default kvmemory.ask.RERANK; 0 or 1: off) re-ranks the first `rerank` blocks that pass
+        the min_relevance cut by the question's likelihood behind each one's stored KV
+        (kvmemory.rerank; no forward where the best block stands alone), and keeps a block after
+        the best only within rerank_margin nats per question token of it. max_context_tokens
+        bounds the grafted tokens (default kvmemory.ask.CONTEXT_TOKENS; never more than the
+        window's room), so an answer's cost does not grow with the store.
         """
         from kvmemory import ask as _ask
         return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
                         selector=selector, max_new_tokens=max_new_tokens,
                         recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
                         min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance,
-                        on_token=on_token, doc_filter=doc_filter)
+                        on_token=on_token, doc_filter=doc_filter,
+                        rerank=_ask.RERANK if rerank is None else rerank,
+                        rerank_margin=_ask.RERANK_MARGIN if rerank_margin is None else rerank_margin,
+                        max_context_tokens=_ask.CONTEXT_TOKENS if max_context_tokens is None else max_context_tokens)
 
     @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text", doc_filter=None) -> list[dict]:

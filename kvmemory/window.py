@@ -82,29 +82,36 @@ class WindowPlan:
 
 
 def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int, max_new_tokens: int,
-         window_tokens: int, top_k: int, context: dict[int, list[Candidate]] | None = None) -> WindowPlan:
-    """Take the best-scoring candidates that fit, each with as much of its `context` (row -> the
-    blocks before it in its segment, in document order) as fits, then lay all out in document order."""
+         window_tokens: int, top_k: int, context: dict[int, list[Candidate]] | None = None,
+         max_context_tokens: int | None = None) -> WindowPlan:
+    """Take the best-scoring candidates that fit (up to top_k), then as much of each one's
+    `context` (row -> the blocks before it in its segment, in document order) as fits, best
+    candidate's first, nearest block first; lay all out in document order.
+
+    The slots hold at most max_context_tokens tokens (None: what the window has room for): a
+    budget that does not depend on the store, so the window's cost does not either. In a small
+    store the selected blocks share segments and their context overlaps; in a large one each
+    brings its own, and without a budget the window grows with the store until it is full."""
     budget = window_tokens - prelude_tokens - question_tokens - max_new_tokens
     if budget < 0:
         raise ValueError(f"the question ({question_tokens} tokens) and answer ({max_new_tokens}) do not fit the "
                          f"window of {window_tokens} tokens")
+    if max_context_tokens is not None:
+        budget = min(budget, max_context_tokens)
     chosen: dict[int, Candidate] = {}
-    used, picked = 0, 0
+    used, picked = 0, []
     for c in sorted(candidates, key=lambda c: -c.score):
-        if picked == top_k:
+        if len(picked) == top_k:
             break
-        if c.row in chosen and chosen[c.row].selected:
+        if c.row in chosen or used + c.n_tokens > budget:
             continue
-        if c.row not in chosen:
-            if used + c.n_tokens > budget:
-                continue
-            used += c.n_tokens
-        chosen[c.row] = c                     # a context block that was selected itself counts as selected
-        picked += 1
+        chosen[c.row] = c
+        picked.append(c)
+        used += c.n_tokens
+    for c in picked:
         for p in reversed((context or {}).get(c.row, [])):     # nearest first: cut from the front
             if p.row in chosen:
-                continue
+                continue                      # a context block that was selected itself counts as selected
             if used + p.n_tokens > budget:
                 break
             chosen[p.row] = Candidate(**{**p.__dict__, "selected": False})

@@ -31,3 +31,34 @@ def test_budget_and_duplicates():
     assert len(w.slots) == (8192 - 200) // 256
     with pytest.raises(ValueError, match="do not fit"):
         plan(cs, 100, 8000, 200, 8192, 4)
+
+
+def _segments(n_segments, base_row=0, seg=4, C=256):
+    """n_segments segments of `seg` blocks; the last block of each is selected, the others are its context."""
+    sel, context = [], {}
+    for s in range(n_segments):
+        rows = [base_row + s * seg + j for j in range(seg)]
+        blocks = [Candidate(r, "d", 0, (s * seg + j) * C, C, 20 + j * C, 0.0, selected=False)
+                  for j, r in enumerate(rows)]
+        sel.append(Candidate(rows[-1], "d", 0, (s * seg + seg - 1) * C, C, 20 + (seg - 1) * C, 1.0 - s / 100))
+        context[rows[-1]] = blocks[:-1]
+    return sel, context
+
+
+def test_context_budget_holds_whatever_the_spread_and_selected_blocks_come_first():
+    # a large store: 8 selected blocks in 8 segments, each bringing 3 blocks of context
+    sel, ctx = _segments(8)
+    full = plan(sel, 20, 10, 10, 8192, 8, ctx)
+    assert full.context_tokens - 20 == (8192 - 40) // 256 * 256     # without a budget: the window fills up
+    w = plan(sel, 20, 10, 10, 8192, 8, ctx, max_context_tokens=3072)
+    assert w.context_tokens - 20 == 3072
+    chosen = {s.candidate.row for s in w.slots}
+    assert {c.row for c in sel} <= chosen                  # all 8 selected, then context, best block's first
+    assert sum(not s.candidate.selected for s in w.slots) == 4
+    assert {3 - 1, 3 - 2, 3 - 3} <= chosen                 # the best block's whole segment prefix
+    # a small store: the same 8 selections in 2 segments share their context; never above the budget
+    few, ctx2 = _segments(2)
+    w2 = plan(few, 20, 10, 10, 8192, 8, ctx2, max_context_tokens=3072)
+    assert w2.context_tokens - 20 <= 3072
+    with pytest.raises(ValueError, match="do not fit"):
+        plan(sel, 100, 8000, 200, 8192, 4, ctx, max_context_tokens=10)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 from kvmemory.cli.common import KVMemoryError, open_memory, positive_int
-from kvmemory.config import ASK_MIN_RELEVANCE as MIN_RELEVANCE, ASK_RECOMPUTE as RECOMPUTE, ASK_TOP_K as TOP_K
+from kvmemory.config import ASK_CONTEXT_TOKENS as CONTEXT_TOKENS, ASK_MIN_RELEVANCE as MIN_RELEVANCE
+from kvmemory.config import ASK_RECOMPUTE as RECOMPUTE, ASK_RERANK as RERANK, ASK_RERANK_MARGIN as RERANK_MARGIN
+from kvmemory.config import ASK_TOP_K as TOP_K
 from kvmemory.index import SELECTORS
 
 
@@ -39,6 +41,14 @@ def register(add) -> None:
     sp.add_argument("--min-relevance", type=float, default=None, metavar="F",
                     help=f"drop selected blocks whose BM25 score is below F x the best block's (0..1, default "
                          f"{MIN_RELEVANCE})")
+    sp.add_argument("--rerank", type=int, default=None, metavar="N",
+                    help=f"re-rank the first N ranked blocks by the question's likelihood over their stored KV "
+                         f"(default {RERANK}; 0: off)")
+    sp.add_argument("--rerank-margin", type=float, default=None, metavar="M",
+                    help=f"with --rerank, keep a block after the best only within M nats per question token "
+                         f"(default {RERANK_MARGIN})")
+    sp.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
+                    help=f"at most N grafted tokens, whatever the store's size (default {CONTEXT_TOKENS})")
     sp.add_argument("--no-expand", action="store_true",
                     help="graft only the selected blocks, without the blocks before them in their segment")
     sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
@@ -96,7 +106,8 @@ def cmd_add(args) -> int:
 def cmd_ask(args) -> int:
     with open_memory(args, read_only=False) as mem:
         ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens,
-                      recompute=args.recompute, expand=not args.no_expand, min_relevance=args.min_relevance)
+                      recompute=args.recompute, expand=not args.no_expand, min_relevance=args.min_relevance,
+                      rerank=args.rerank, rerank_margin=args.rerank_margin, max_context_tokens=args.max_context_tokens)
     if args.json:
         print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
         return 0

@@ -269,6 +269,9 @@ class AskRequest(BaseModel):
     recompute: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     expand: bool | None = None
     min_relevance: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    rerank: Annotated[int | None, Field(ge=0, le=64)] = None
+    rerank_margin: Annotated[float | None, Field(ge=0.0, le=100.0)] = None
+    max_context_tokens: Annotated[int | None, Field(ge=1, le=1 << 20)] = None
     stream: bool = False
 
 

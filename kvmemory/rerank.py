@@ -1,0 +1,93 @@
+"""Re-rank with the model over stored KV: the question's likelihood behind each candidate.
+
+For each of the fused ranking's first n blocks, the block is grafted behind the prelude with
+the blocks before it in its deposit segment (its segment prefix, at the positions it was
+computed at: byte for byte, no re-rotation), the question is prefilled over that window, and
+the block is scored by the mean log-probability of the question's own words given the passage
+(query likelihood, as UPR, Sachan et al. 2022, does with re-read text). A passage about the
+question's subject makes its words likely; a distractor of the same shape (another city's
+magic number) does not. That is n short forwards of the question's tokens over restored KV;
+a cross-encoder over text would prefill each candidate's tokens as well.
+
+    ranked[:n] -> per block: graft segment prefix (exact) -> prefill question (all logits)
+              -> mean log p(question | passage) -> re-ordered, best first
+
+Only an ambiguous ranking is re-ranked: the candidates are the first n blocks whose BM25 score
+passes the relevance cut (min_relevance x the best's, retrieve.relevant); where the best block
+stands alone above the cut there is nothing to decide and no forward is run. `margin` then
+decides per question whether a second block enters the window at all: only those whose score
+is within `margin` (nats per question token) of the best.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from kvmemory import kv as kvops
+from kvmemory.device import ids_tensor
+from kvmemory.retrieve import Ranked
+from kvmemory.window import plan
+
+
+@torch.inference_mode()
+def question_loglik(model, cache, q_ids: list[int], span: tuple[int, int]) -> float:
+    """Mean log p(q_ids[t] | cache, q_ids[:t]) over the question's own words (t in span, t >= 1;
+    the template around them is the same behind every passage and only adds noise: measured)."""
+    a, b = max(1, span[0]), span[1]
+    logits = model(input_ids=ids_tensor(q_ids[:b], model), past_key_values=cache, use_cache=True,
+                   logits_to_keep=b - a + 1).logits[0, :-1].float()         # predicts q_ids[a:b]
+    lp = torch.log_softmax(logits, dim=-1)
+    tgt = torch.tensor(q_ids[a:b], dtype=torch.long, device=lp.device)
+    return float(lp.gather(1, tgt[:, None]).mean())
+
+
+def rerank(mem, docs, q_ids: list[int], ranked: list[Ranked], n: int) -> tuple[list[Ranked], dict]:
+    """ranked[:n] re-ordered by the question's likelihood behind each (best first; the score is
+    that mean log-probability, ranks["fused"] the block's place before); the rest of `ranked`
+    is dropped. Also the cost: {"blocks", "tokens_restored", "tokens_prefilled", "seconds"}."""
+    from kvmemory.ask import build_window, candidates
+
+    t0 = time.perf_counter()
+    head = ranked[:n]
+    if len(head) <= 1:
+        return head, {"blocks": 0, "tokens_restored": 0, "tokens_prefilled": 0, "seconds": 0.0}
+    cands, context = candidates(mem, docs, head, expand=True)
+    prelude_kv = docs.prelude_kv()
+    p = len(docs.prelude.ids)
+    geo = mem.geometry
+    mem.require_store().verified_meta(sorted({c.row for c in cands} | {x.row for v in context.values() for x in v}))
+    span = docs.prelude.question_span(q_ids)
+    scored, restored = [], 0
+    for h, c in zip(head, cands, strict=True):
+        w = plan([c], p, len(q_ids), 1, geo.max_positions, 1, context)
+        kv, _ = build_window(mem, docs, w, prelude_kv)
+        restored += w.context_tokens - p
+        cache = kvops.make_cache(kv, mem.model.config, copy=False)
+        scored.append((question_loglik(mem.model, cache, q_ids, span), h))
+    order = sorted(range(len(scored)), key=lambda i: -scored[i][0])
+    out = [replace(scored[i][1], score=scored[i][0],
+                   ranks={**scored[i][1].ranks, "fused": i + 1},
+                   scores={**scored[i][1].scores, "rerank": scored[i][0]}) for i in order]
+    return out, {"blocks": len(head), "tokens_restored": restored, "tokens_prefilled": len(head) * len(q_ids),
+                 "seconds": time.perf_counter() - t0}
+
+
+def contenders(ranked: list[Ranked], n: int, min_relevance: float) -> list[Ranked]:
+    """The first n blocks of the ranking that pass the relevance cut (all n where the best has
+    no BM25 score: the dense ranking found it alone)."""
+    best = ranked[0].scores.get("bm25") if ranked else None
+    if best is None or min_relevance <= 0:
+        return ranked[:n]
+    return [ranked[0]] + [h for h in ranked[1:n] if h.scores.get("bm25", 0.0) >= min_relevance * best]
+
+
+def within_margin(ranked: list[Ranked], top_k: int, margin: float) -> list[Ranked]:
+    """The best re-ranked block, then each of the next top_k - 1 whose score is within `margin`
+    nats (per question token) of the best's."""
+    if not ranked:
+        return []
+    best = ranked[0].score
+    return [ranked[0]] + [h for h in ranked[1:top_k] if h.score >= best - margin]
