@@ -26,6 +26,7 @@ Accuracy: every answer string in the reply (case-insensitive), with a 95% Wilson
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -114,16 +115,42 @@ def needle_blocks(tok, text: str, doc_ids: list[int], needle: str, C: int) -> se
     return {t // C for t in toks}
 
 
+def code_digest() -> bytes:
+    """A digest of the kvmemory code a deposit runs (its .py files, kvmemory.index's included)."""
+    import kvmemory.index
+    h = hashlib.sha256()
+    for root in (Path(kvmemory.__file__).parent, Path(kvmemory.index.__file__).parent):
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.digest()
+
+
 def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, res: dict, sel: dict,
             examples: list, doc_no: int, n_real: int = 0) -> dict:
     tok = model[1]
     text = haystack(rng, tok, size, questions)
     questions = questions + real_questions(rng, text, n_real)
-    mem = kvmemory.Memory(work / f"qa-{size}-{doc_no}.kvm", model=model)
     from kvmemory.documents import text_ids
     doc_ids = text_ids(tok, text)
+    reused = False
+    if args.keep:
+        # a kept deposit is reused when it was made of the same text by the same code (the seed,
+        # the size and the questions decide the text)
+        key = hashlib.sha256(text.encode() + code_digest()).hexdigest()[:16]
+        path = Path(args.keep) / f"qa-{size}-{doc_no}-{key}.kvm"
+    else:
+        path = work / f"qa-{size}-{doc_no}.kvm"
+    mem = kvmemory.Memory(path, model=model)
     t = time.perf_counter()
-    mem.add(text, doc_id="haystack", progress=True)
+    have = mem.store.manifest.docs.get("haystack") if mem.store is not None else None
+    if have is not None and have.n_tokens == len(doc_ids):
+        reused = True
+        print(f"  reusing the deposit of {len(doc_ids)} tokens at {path} (same seed, text and code)",
+              file=sys.stderr, flush=True)
+    else:
+        if have is not None:
+            mem.remove("haystack")
+        mem.add(text, doc_id="haystack", progress=True)
     deposit_s = time.perf_counter() - t
     C = mem.block_tokens
     pre = mem.documents.prelude
@@ -203,7 +230,7 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
         print(f"  [{size}] {q.shape:8} {'/'.join(q.answers):>18}: " +
               "  ".join(f"{m}={'ok' if correct(v, q.answers) else 'x'}" for m, v in replies.items()),
               file=sys.stderr, flush=True)
-    out = {"doc_tokens": len(doc_ids), "deposit_s": deposit_s, "full_prefill_s": full_s}
+    out = {"doc_tokens": len(doc_ids), "deposit_s": deposit_s, "deposit_reused": reused, "full_prefill_s": full_s}
     mem.close()
     return out
 
@@ -238,6 +265,7 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
         n = len(examples)
     res = {m: r for m, r in res.items() if r["correct"]}
     out = {"size": size, "doc_tokens": statistics.mean(d["doc_tokens"] for d in docs), "haystacks": len(docs),
+           "deposits_reused": sum(d["deposit_reused"] for d in docs),
            "questions": n, "deposit_s": sum(d["deposit_s"] for d in docs),
            "x_window": statistics.mean(d["doc_tokens"] for d in docs) / 8192,
            "selection_recall": {s: {str(k): v / n for k, v in d.items()} for s, d in sel.items()},
@@ -272,6 +300,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh random seed (printed)")
     ap.add_argument("--dir", default=None, help="where the temporary stores go")
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="keep each haystack's store in DIR and reuse it on a later run whose seed, sizes and "
+                         "questions draw the same text and whose kvmemory code is the same (a 1M-token deposit "
+                         "is ~45 minutes here); the output says which deposits were reused")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -299,6 +331,9 @@ def main() -> None:
             print(f"{r['doc_tokens']:10.0f} {r['x_window']:5.1f} {r['questions']:3d} {m:>16} {v['accuracy']:8.0%} "
                   f"{v['ci95'][0]:5.0%}-{v['ci95'][1]:4.0%} {v['recall']:6.0%} {v['ttft_median_s']:7.2f} "
                   f"{v['prefilled_median']:9.0f} {v['restored_median']:8.0f} {v['recomputed_median']:6.0f} {kl:>9}")
+    for r in rows:
+        print(f"{r['doc_tokens']:10.0f}: {r['haystacks']} haystacks, {r['deposits_reused']} deposits reused "
+              f"(--keep), {r['deposit_s']:.0f} s depositing")
     print("\nselection recall@k (needle inside the k best blocks)")
     for r in rows:
         for s, d in r["selection_recall"].items():

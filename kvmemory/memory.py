@@ -456,19 +456,8 @@ class Memory:
 
     def _drop_forgotten_users(self) -> None:
         """Index files of users with no turns left (a forget a crash interrupted leaves them)."""
-        import shutil
-
-        from kvmemory.chat_memory.memory import USERS_DIR
-        from kvmemory.documents import USER_DOCS
-        users = self.path / USERS_DIR
-        if not users.is_dir():
-            return
-        keys = {d[len(USER_DOCS):].split(":", 1)[0] for d in self.require_store().manifest.docs
-                if d.startswith(USER_DOCS)}
-        with self.require_store().write_lock():
-            for d in users.iterdir():
-                if d.is_dir() and d.name not in keys:
-                    shutil.rmtree(d, ignore_errors=True)
+        from kvmemory.chat_memory.memory import drop_forgotten_users
+        drop_forgotten_users(self.require_store(), self.require_store().root)
 
     @_locked
     def info(self, with_states: bool = False) -> dict:

@@ -14,6 +14,9 @@ import kvmemory.store.location
 import kvmemory.chat_memory
 
 assert "site-packages" in kvmemory.__file__, f"kvmemory imported from {kvmemory.__file__}, not the wheel"
+from pathlib import Path
+web = Path(kvmemory.__file__).parent / "server" / "web"
+assert all((web / f).is_file() for f in ("index.html", "app.js", "style.css")), f"the page is missing from {web}"
 missing = [f for f in cuda_ext.SOURCES if not (cuda_ext.source_dir() / f).is_file()]
 assert not missing, f"kernel sources missing from the wheel: {missing}"
 for module, extra in [("integrations.langchain", "langchain"), ("integrations.llama_index", "llamaindex"),
@@ -24,4 +27,4 @@ for module, extra in [("integrations.langchain", "langchain"), ("integrations.ll
         assert f"kvmemory[{extra}]" in str(e), e
     else:
         raise AssertionError(f"kvmemory.{module} imported without its framework installed")
-print("wheel: packages and kernel sources present; adapters and the server without their framework name their extra")
+print("wheel: packages, kernel sources and the page present; adapters and the server without their framework name their extra")

@@ -31,6 +31,28 @@ from kvmemory.documents import USER_DOCS, PromptLayout, Scope
 from kvmemory.errors import InputError
 
 USERS_DIR = "users"
+
+
+def drop_forgotten_users(store, path) -> list[str]:
+    """Remove the index files of users with no turns left in the store (a forget that a crash
+    interrupted leaves them behind). Needs no model: `kvmemory gc` calls it too. Returns the
+    user keys removed."""
+    import shutil
+    from pathlib import Path
+
+    from kvmemory.documents import USER_DOCS
+    users = Path(path) / USERS_DIR
+    if not users.is_dir():
+        return []
+    store.refresh()
+    removed = []
+    with store.write_lock():
+        keys = {d[len(USER_DOCS):].split(":", 1)[0] for d in store.manifest.docs if d.startswith(USER_DOCS)}
+        for d in sorted(users.iterdir()):
+            if d.is_dir() and d.name not in keys:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d.name)
+    return removed
 HEADER = "What this user said in earlier conversations"
 NOTE = "Notes from earlier conversations with this user"
 LAYOUTS = ("turns", "system")

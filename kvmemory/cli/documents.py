@@ -74,7 +74,8 @@ def register(add) -> None:
              "on no reader takes them as valid), then removes or rewrites the shard files that hold them. Blocks "
              "committed less than --grace seconds ago are kept: a document being added commits its blocks "
              "before the document itself. Safe to run while others read the store; a crash mid-way is finished "
-             "by the next gc. Loads no model.")
+             "by the next gc. Also removes the index files of chat-memory users with no turns left (a forget "
+             "a crash interrupted). Loads no model.")
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                     help="keep blocks committed in the last SECONDS (default 3600)")
 
@@ -156,8 +157,12 @@ def cmd_gc(args) -> int:
 
     if args.grace < 0:
         raise KVMemoryError(f"--grace must be >= 0 seconds, got {args.grace}")
+    from kvmemory.chat_memory.memory import drop_forgotten_users
+
     store = BlockStore.open(args.store, read_only=False)
     r = store.gc(grace_s=args.grace)
+    users = drop_forgotten_users(store, store.root)          # the store's local directory, also of a remote one
     print(f"freed {r.blocks_freed} blocks, {r.bytes_freed:,} bytes ({r.bytes_freed / 2**20:.1f} MiB); "
-          f"{r.files_removed} files removed, {r.files_rewritten} rewritten")
+          f"{r.files_removed} files removed, {r.files_rewritten} rewritten"
+          + (f"; index files of {len(users)} forgotten users removed" if users else ""))
     return 0

@@ -21,11 +21,12 @@ from kvmemory.server.errors import DOCUMENTED, ApiError, from_exception, from_va
 from kvmemory.server.jobs import Jobs
 from kvmemory.server.persist import SERVE_DIR
 from kvmemory.server.routes import ROUTERS
+from kvmemory.server.routes.web import OPEN as WEB_PATHS
 from kvmemory.server.schemas import ErrorResponse
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health",) + WEB_PATHS            # the page holds no data: it asks for the key
 
 
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,

@@ -244,6 +244,7 @@ class Document(BaseModel):
     doc_id: str
     n_tokens: int
     blocks: int
+    kv_bytes: int = Field(description="the KV its tokens hold (before the store's codec)")
     source: str
     created: float
 

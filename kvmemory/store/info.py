@@ -7,9 +7,14 @@ from kvmemory.store.blocks import BlockStore
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def per_token_bytes(m) -> int:
+    """Bytes of KV one token holds in a store of this manifest (all layers, K and V)."""
+    return m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * _ITEMSIZE[m.kv_dtype]
+
+
 def describe(store: BlockStore, with_states: bool = False) -> dict:
     m = store.manifest
-    per_token = m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * _ITEMSIZE[m.kv_dtype]
+    per_token = per_token_bytes(m)
     tokens = m.stored_tokens
     disk = store.disk_bytes()
     out = {"path": store.name, "model": m.model["name"], "fingerprint": m.fingerprint,

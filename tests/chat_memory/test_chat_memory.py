@@ -109,7 +109,7 @@ def test_a_crash_mid_forget_leaves_all_or_nothing(mem, monkeypatch):
     assert a.forget().turns == 3 and a.turns() == []                 # and the next forget finishes it
 
 
-def test_a_crash_after_the_forget_commit_is_finished_by_the_next_load_and_gc(mem, monkeypatch):
+def test_a_crash_after_the_forget_commit_is_finished_by_the_next_load_and_gc(mem, monkeypatch, capsys):
     """The commit landed, the index update did not: the forgotten text is still in the user's index
     files. The next load of those indexes drops it, and gc removes the files of a user with no turns."""
     a = mem.chat_memory("alice")
@@ -139,3 +139,13 @@ def test_a_crash_after_the_forget_commit_is_finished_by_the_next_load_and_gc(mem
     assert (mem.path / "users" / b.key).exists()
     mem.gc(grace_s=0)
     assert not (mem.path / "users" / b.key).exists() and (mem.path / "users" / a.key).exists()
+    # `kvmemory gc` (no model loaded) finishes such a forget too
+    c = mem.chat_memory("carol")
+    c.remember(exchange("I like cocoa.", "Cocoa."), "u1")
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(Documents, "_update_indexes", crash)
+        c.forget()
+    from kvmemory.cli import main
+    assert main(["gc", str(mem.path), "--grace", "0"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("index files of 1 forgotten users removed")
+    assert not (mem.path / "users" / c.key).exists() and (mem.path / "users" / a.key).exists()

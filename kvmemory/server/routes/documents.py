@@ -20,6 +20,7 @@ from kvmemory.server.context import Context, ctx
 from kvmemory.server.errors import ApiError, bad, check_id, not_found
 from kvmemory.server.schemas import Deleted, Document, DocumentCreate, DocumentList, DocumentUpload, Job, JobCreated
 from kvmemory.server.sessions import SESSION_DOCS
+from kvmemory.store.info import per_token_bytes
 
 router = APIRouter()
 BODY = {"requestBody": {"required": True, "content": {
@@ -89,8 +90,9 @@ async def list_documents(c: Context = Depends(ctx)):
     store.refresh()
     docs = sorted(((k, d) for k, d in store.manifest.docs.items() if not k.startswith(SESSION_DOCS)),
                   key=lambda kv: kv[1].created)
-    return DocumentList(data=[Document(doc_id=k, n_tokens=d.n_tokens, blocks=len(d.rows), source=d.source,
-                                       created=d.created) for k, d in docs])
+    per_token = per_token_bytes(store.manifest)
+    return DocumentList(data=[Document(doc_id=k, n_tokens=d.n_tokens, blocks=len(d.rows), kv_bytes=d.n_tokens * per_token,
+                                       source=d.source, created=d.created) for k, d in docs])
 
 
 @router.delete("/v1/documents/{doc_id}", response_model=Deleted)

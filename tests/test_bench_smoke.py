@@ -1,0 +1,45 @@
+"""bench_flat_access.py and bench_qa.py run end to end at a tiny size (so they do not rot), and
+what they report holds: the window's grafted tokens stay within ask's budget at every size,
+and a kept deposit is reused by a run that draws the same text."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.real_model
+def test_bench_flat_access_reports_a_bounded_window(tmp_path):
+    out = tmp_path / "flat.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_flat_access.py", "--tokens", "2048,8192", "--questions", "3",
+                        "--top-k", "2,8", "--no-faiss", "--json", str(out), "--dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {(r["store_tokens"], r["top_k"]) for r in res["rows"]} == {(2048, 2), (2048, 8), (8192, 2), (8192, 8)}
+    for r in res["rows"]:
+        assert 0 < r["grafted_tokens_max"] <= res["max_context_tokens"]
+        assert r["ask_ms_p10"] <= r["ask_ms_median"] <= r["ask_ms_p90"] and len(r["ask_ms_all"]) == 3
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.real_model
+def test_bench_qa_reuses_a_kept_deposit(tmp_path):
+    def run(tag):
+        return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "4",
+                               "--configs", "k2,k2-rr4-m0.1", "--methods", "rag", "--selectors", "bm25",
+                               "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
+                               "--out", str(tmp_path), "--tag", tag], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+    first, second = run("a"), run("b")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
+    a, b = (json.loads(next(tmp_path.glob(f"qa-*-{t}.json")).read_text()) for t in ("a", "b"))
+    assert a["rows"][0]["deposits_reused"] == 0 and b["rows"][0]["deposits_reused"] == a["rows"][0]["haystacks"]
+    assert "reusing the deposit" in second.stderr
+    ma, mb = a["rows"][0]["methods"], b["rows"][0]["methods"]
+    assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1"}
+    assert [e["replies"] for e in a["rows"][0]["examples"]] == [e["replies"] for e in b["rows"][0]["examples"]]
