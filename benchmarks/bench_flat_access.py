@@ -159,6 +159,10 @@ def main() -> None:
     ap.add_argument("--tokens", default="16384,131072,1048576")
     ap.add_argument("--questions", type=int, default=30, help="questions per size and k (default 30)")
     ap.add_argument("--top-k", default=f"{ASK_TOP_K},8", help=f"comma-separated (default {ASK_TOP_K},8)")
+    ap.add_argument("--min-relevance", type=float, default=None,
+                    help="ask's relevance cut (default ask's); 0 grafts all top-k blocks, the window's worst case")
+    ap.add_argument("--max-context-tokens", default=None,
+                    help="comma-separated budgets of grafted tokens to compare (default ask's; 8192: none)")
     ap.add_argument("--json", default=None, help="write the JSON here (default benchmarks/results/flat-DATE.json)")
     ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
     ap.add_argument("--no-faiss", action="store_true", help="skip the flat-vs-IVF search measurement")
@@ -167,7 +171,9 @@ def main() -> None:
     from kvmemory.model import load_model
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="bench-flat-", dir=args.dir))
-    ks = [int(x) for x in args.top_k.split(",")]
+    from kvmemory.config import ASK_CONTEXT_TOKENS
+    ks = [(int(k), int(b)) for k in args.top_k.split(",")
+          for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",")]
     rng = np.random.default_rng()
     rows, skipped = [], []
     per_token = 46080
@@ -183,15 +189,16 @@ def main() -> None:
         mem = kvmemory.Memory(path, model=(model, tok))
         _ = mem.documents.embedder                  # load MiniLM before timing, like a warm service
         questions = draw_questions(mem, rng, args.questions)
-        for k in ks:
-            mem.ask(questions[0], top_k=k, max_new_tokens=1)     # warm model code paths
+        for k, budget in ks:
+            kw = {"top_k": k, "max_new_tokens": 1, "max_context_tokens": budget, "min_relevance": args.min_relevance}
+            mem.ask(questions[0], **kw)     # warm model code paths
             parts = {"ask": [], "select": [], "page_in": [], "first_token": [], "disk_read": [], "other": []}
             grafted = []
-            for q in tqdm(questions, desc=f"{n} tokens, k {k}", disable=not sys.stderr.isatty()):
+            for q in tqdm(questions, desc=f"{n} tokens, k {k}, budget {budget}", disable=not sys.stderr.isatty()):
                 mem._pager = None                       # cold host tier ...
                 drop_from_page_cache(path)              # ... and cold page cache
                 t = time.perf_counter()
-                a = mem.ask(q, top_k=k, max_new_tokens=1)
+                a = mem.ask(q, **kw)
                 parts["ask"].append((time.perf_counter() - t) * 1e3)
                 ts = a.stats["timings_s"]
                 parts["select"].append(ts["select"] * 1e3)
@@ -202,7 +209,7 @@ def main() -> None:
                 parts["other"].append(parts["ask"][-1] - (ts["select"] + ts["page_in_and_graft"] + ts["first_token"]) * 1e3)
                 grafted.append(a.stats["tokens_restored"] - len(mem.documents.prelude.ids))
             q10, q90 = np.percentile(parts["ask"], [10, 90])
-            rows.append({"store_tokens": n, "top_k": k, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
+            rows.append({"store_tokens": n, "top_k": k, "max_context_tokens": budget, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
                          "ask_ms_median": statistics.median(parts["ask"]), "ask_ms_p10": float(q10),
                          "ask_ms_p90": float(q90),
                          **{f"{key}_ms_median": statistics.median(v) for key, v in parts.items() if key != "ask"},
@@ -212,17 +219,18 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
     faiss_rows = [] if args.no_faiss else faiss_scaling(rng)
     machine = describe()
-    from kvmemory.config import ASK_CONTEXT_TOKENS
     result = {"benchmark": "flat_access", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "top_k": ks, "questions": args.questions, "max_context_tokens": ASK_CONTEXT_TOKENS,
+              "machine": machine, "top_k": sorted({k for k, _ in ks}), "questions": args.questions,
+              "max_context_tokens": sorted({b for _, b in ks}), "min_relevance": args.min_relevance,
               "command": " ".join(sys.argv), "rows": rows, "skipped": skipped, "faiss": faiss_rows}
     print(f"\nflat access — ask latency (selection + page-in + first token), cold, {args.questions} questions; "
-          f"{machine['cpu']}, {machine['cores']} cores; max_context_tokens {ASK_CONTEXT_TOKENS}")
-    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'grafted':>7} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
+          f"{machine['cpu']}, {machine['cores']} cores; min_relevance {args.min_relevance}")
+    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'budget':>6} {'grafted':>7} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
           f"{'page-in':>7} {'disk':>6} {'1st tok':>7} {'other':>6} {'vs first':>8}")
     for r in rows:
-        first = next(x for x in rows if x["top_k"] == r["top_k"])
-        print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['top_k']:2d} {r['grafted_tokens_median']:7.0f} "
+        first = next(x for x in rows if (x["top_k"], x["max_context_tokens"]) == (r["top_k"], r["max_context_tokens"]))
+        print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['top_k']:2d} {r['max_context_tokens']:6d} "
+              f"{r['grafted_tokens_median']:7.0f} "
               f"{r['ask_ms_median']:7.0f} {r['ask_ms_p10']:5.0f}-{r['ask_ms_p90']:<5.0f} "
               f"{r['select_ms_median']:7.1f} {r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "
               f"{r['first_token_ms_median']:7.0f} {r['other_ms_median']:6.0f} "
@@ -246,18 +254,18 @@ def _plot(rows, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for k in dict.fromkeys(r["top_k"] for r in rows):
-        rs = [r for r in rows if r["top_k"] == k]
+    fig, (a, g) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, b in dict.fromkeys((r["top_k"], r["max_context_tokens"]) for r in rows):
+        rs = [r for r in rows if (r["top_k"], r["max_context_tokens"]) == (k, b)]
         x = [r["store_tokens"] for r in rs]
         med = np.array([r["ask_ms_median"] for r in rs])
         a.errorbar(x, med, yerr=[med - [r["ask_ms_p10"] for r in rs], [r["ask_ms_p90"] for r in rs] - med],
-                   fmt="o-", capsize=3, label=f"top-k {k}")
-        b.plot(x, [r["grafted_tokens_median"] for r in rs], "o-", label=f"top-k {k}")
+                   fmt="o-", capsize=3, label=f"top-k {k}, budget {b}")
+        g.plot(x, [r["grafted_tokens_median"] for r in rs], "o-", label=f"top-k {k}, budget {b}")
     a.set(xscale="log", xlabel="store tokens", ylabel="ask ms (median, p10-p90; cold)", title="ask latency")
-    b.set(xscale="log", xlabel="store tokens", ylabel="grafted tokens (median)", title="the window")
+    g.set(xscale="log", xlabel="store tokens", ylabel="grafted tokens (median)", title="the window")
     a.legend()
-    b.legend()
+    g.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
