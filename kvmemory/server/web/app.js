@@ -57,6 +57,9 @@ async function api(path, opts = {}) {
   return r;
 }
 
+const postJSON = (path, body) =>
+  api(path, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+
 // ---------------------------------------------------------------- documents
 const fmt = (n) => (n == null ? "–" : Number(n).toLocaleString("en-US"));
 function bytes(n) {
@@ -215,8 +218,7 @@ function wireAsk() {
     button.disabled = true;
     $("#answer").textContent = ""; $("#ask-figures").textContent = "asking…"; $("#passages").replaceChildren();
     try {
-      const r = await api("/v1/ask", { method: "POST", headers: { "Content-Type": "application/json" },
-                                      body: JSON.stringify({ question: q, stream: true }) });
+      const r = await postJSON("/v1/ask", { question: q, stream: true });
       clearError();
       for await (const ev of events(r)) {
         if (ev.type === "delta") $("#answer").textContent += ev.text;
@@ -277,8 +279,7 @@ function wireChat() {
     const user = $("#chat-user").value.trim();
     if (user) body.user = user;
     try {
-      const c = await (await api("/v1/chat/completions", { method: "POST", headers: { "Content-Type": "application/json" },
-                                                          body: JSON.stringify(body) })).json();
+      const c = await (await postJSON("/v1/chat/completions", body)).json();
       clearError();
       const reply = c.choices[0].message.content;
       history.push({ role: "assistant", content: reply });
