@@ -35,7 +35,7 @@ from kvmemory.window import plan
 @torch.inference_mode()
 def question_loglik(model, cache, q_ids: list[int], span: tuple[int, int]) -> float:
     """Mean log p(q_ids[t] | cache, q_ids[:t]) over the question's own words (t in span, t >= 1;
-    the template around them is the same behind every passage and only adds noise: measured)."""
+    the template around them is the same behind every passage). Runs q_ids[:span[1]] only."""
     a, b = max(1, span[0]), span[1]
     logits = model(input_ids=ids_tensor(q_ids[:b], model), past_key_values=cache, use_cache=True,
                    logits_to_keep=b - a + 1).logits[0, :-1].float()         # predicts q_ids[a:b]
@@ -71,7 +71,7 @@ def rerank(mem, docs, q_ids: list[int], ranked: list[Ranked], n: int) -> tuple[l
     out = [replace(scored[i][1], score=scored[i][0],
                    ranks={**scored[i][1].ranks, "fused": i + 1},
                    scores={**scored[i][1].scores, "rerank": scored[i][0]}) for i in order]
-    return out, {"blocks": len(head), "tokens_restored": restored, "tokens_prefilled": len(head) * len(q_ids),
+    return out, {"blocks": len(head), "tokens_restored": restored, "tokens_prefilled": len(head) * span[1],
                  "seconds": time.perf_counter() - t0}
 
 

@@ -29,7 +29,9 @@ def test_rerank_scores_equal_a_fresh_prefill_of_each_segment_prefix(mem, rng):
     out, cost = rerank(mem, docs, q_ids, pool, 5)
     assert len(out) == 5 and {h.row for h in out} == {h.row for h in pool[:5]}
     assert [h.score for h in out] == sorted((h.score for h in out), reverse=True)
-    assert cost["blocks"] == 5 and cost["tokens_prefilled"] == 5 * len(q_ids) and cost["tokens_restored"] >= 5 * C
+    span = docs.prelude.question_span(q_ids)
+    assert mem.tokenizer.decode(q_ids[span[0]:span[1]]).strip() == q and span[1] < len(q_ids)   # the words only
+    assert cost["blocks"] == 5 and cost["tokens_prefilled"] == 5 * span[1] and cost["tokens_restored"] >= 5 * C
     live = docs.live_map()
     for h in out:
         doc_id, _, i = live[h.row]
