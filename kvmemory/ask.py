@@ -145,8 +145,8 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     select_s = time.perf_counter() - t
     rr = {"blocks": 0, "tokens_restored": 0, "tokens_prefilled": 0, "seconds": 0.0}
     if rerank > 1:
-        from kvmemory.rerank import contenders, rerank as _rerank, within_margin
-        ranked, rr = _rerank(mem, docs, q_ids, contenders(pool, rerank, min_relevance), rerank)
+        from kvmemory.rerank import rerank as _rerank, within_margin
+        ranked, rr = _rerank(mem, docs, q_ids, relevant(pool, rerank, min_relevance), rerank)   # the contenders
         ranked = within_margin(ranked, top_k, rerank_margin)
     else:
         ranked = relevant(pool, top_k, min_relevance)

@@ -13,7 +13,7 @@ a cross-encoder over text would prefill each candidate's tokens as well.
               -> mean log p(question | passage) -> re-ordered, best first
 
 Only an ambiguous ranking is re-ranked: the candidates are the first n blocks whose BM25 score
-passes the relevance cut (min_relevance x the best's, retrieve.relevant); where the best block
+passes the relevance cut (retrieve.relevant with n for top_k); where the best block
 stands alone above the cut there is nothing to decide and no forward is run. `margin` then
 decides per question whether a second block enters the window at all: only those whose score
 is within `margin` (nats per question token) of the best.
@@ -73,15 +73,6 @@ def rerank(mem, docs, q_ids: list[int], ranked: list[Ranked], n: int) -> tuple[l
                    scores={**scored[i][1].scores, "rerank": scored[i][0]}) for i in order]
     return out, {"blocks": len(head), "tokens_restored": restored, "tokens_prefilled": len(head) * span[1],
                  "seconds": time.perf_counter() - t0}
-
-
-def contenders(ranked: list[Ranked], n: int, min_relevance: float) -> list[Ranked]:
-    """The first n blocks of the ranking that pass the relevance cut (all n where the best has
-    no BM25 score: the dense ranking found it alone)."""
-    best = ranked[0].scores.get("bm25") if ranked else None
-    if best is None or min_relevance <= 0:
-        return ranked[:n]
-    return [ranked[0]] + [h for h in ranked[1:n] if h.scores.get("bm25", 0.0) >= min_relevance * best]
 
 
 def within_margin(ranked: list[Ranked], top_k: int, margin: float) -> list[Ranked]:

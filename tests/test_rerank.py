@@ -82,7 +82,7 @@ def test_ask_holds_the_grafted_tokens_to_the_budget(mem, rng):
 
 
 def test_contenders_are_the_blocks_that_pass_the_relevance_cut():
-    from kvmemory.rerank import contenders
+    from kvmemory.retrieve import relevant as contenders     # the relevance cut, with n for top_k
     from kvmemory.retrieve import Ranked
     rs = [Ranked(i, 1.0 / (i + 1), {}, {"bm25": b}) for i, b in enumerate([10.0, 9.0, 4.0, 8.0, 7.9])]
     assert [h.row for h in contenders(rs, 4, 0.8)] == [0, 1, 3]      # 4 is past n, 2 below 0.8 x 10
