@@ -51,6 +51,10 @@ def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, d
     live = docs.live_map()
     if doc_filter is not None:
         live = {r: v for r, v in live.items() if doc_filter(v[0])}
+    # equal scores break by where the block sits in the documents (deposit rank, index in the
+    # document), not by its row: a store built in another order (Ray, a resumed deposit) ranks alike
+    def tie(r):
+        return live[r][1:]
     pool = max(MIN_POOL, n * WINDOWS_PER_BLOCK) * (8 if doc_filter is not None else 1)
     per_kind: dict[str, list[tuple[int, float]]] = {}
     for kind in NEEDS[selector]:
@@ -65,7 +69,8 @@ def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, d
             qv = keysel.query_vector(mem.model, text_ids(mem.tokenizer, question), docs.key_layer, g.kv_heads,
                                      g.head_dim)
             hits = idx.search(qv, pool)
-        per_kind[kind] = [(r, s) for r, s in best_per_block(hits, win.row_of) if r in live]
+        hits = [h for h in hits if win.row_of(h[0]) in live]
+        per_kind[kind] = best_per_block(hits, win.row_of, tie)
     ranks = {k: {r: i for i, (r, _) in enumerate(v, start=1)} for k, v in per_kind.items()}
     raw = {k: dict(v) for k, v in per_kind.items()}
     if len(per_kind) == 1:
@@ -73,7 +78,7 @@ def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, d
         order = blocks
     else:
         order = rrf([[r for r, _ in v] for v in per_kind.values()], k=FUSION_K,
-                    weights=[FUSION_WEIGHTS[k] for k in per_kind])
+                    weights=[FUSION_WEIGHTS[k] for k in per_kind], tie=tie)
     return [Ranked(r, float(s), {k: ranks[k][r] for k in ranks if r in ranks[k]},
                    {k: raw[k][r] for k in raw if r in raw[k]}) for r, s in order[:n]]
 

@@ -43,6 +43,19 @@ def test_best_per_block_and_rrf():
     assert {x for x, _ in fused} == {1, 2, 3, 4}
 
 
+def test_equal_scores_break_by_the_tie_key_not_the_row():
+    """Rows 7 and 2 hold blocks at document positions 0 and 1: with equal scores the block that
+    comes first in the documents wins whatever row it landed in (a Ray deposit fills rows in
+    another order than a local one)."""
+    where = {7: (0, 0), 2: (0, 1), 4: (1, 0)}
+    hits = [(win.window_id(2, 0), 0.5), (win.window_id(7, 0), 0.5), (win.window_id(4, 0), 0.5)]
+    assert [r for r, _ in best_per_block(hits, win.row_of)] == [2, 4, 7]
+    assert [r for r, _ in best_per_block(hits, win.row_of, where.get)] == [7, 2, 4]
+    fused = rrf([[2, 7], [7, 2]], tie=where.get)          # equal sums, equal first ranks
+    assert [x for x, _ in fused] == [7, 2]
+    assert [x for x, _ in rrf([[2, 7], [7, 2]])] == [2, 7]
+
+
 def test_bm25_finds_rare_terms_and_persists(tmp_path):
     rng = random.Random(7)
     ids = list(range(0, 400, 4))
