@@ -68,6 +68,9 @@ FILLER = [("Can you suggest a quick breakfast?", "Oatmeal with fruit is quick an
           ("How can I learn to juggle?", "Start with one ball, then two, then add the third."),
           ("Why is the sky blue?", "Sunlight scatters off air molecules, and blue scatters most.")]
 
+FOODS = ["risotto", "dumplings", "paella", "lasagne", "falafel", "ramen", "goulash", "pierogi"]
+INSTRUMENTS = ["cello", "banjo", "clarinet", "harp", "trumpet", "accordion", "oboe", "ukulele"]
+MONTHS = ["January", "March", "April", "June", "August", "September", "October", "December"]
 HOBBIES = ["pottery", "chess", "birdwatching", "knitting", "climbing", "baking", "rowing", "sketching"]
 
 
@@ -83,6 +86,10 @@ FACTS = {
     "sister": ("My sister is called {v}.", None, "What is my sister's name?", NAMES),
     "dog": ("My dog is called {v}.", None, "What is my dog's name?", NAMES),
     "colour": ("My favourite colour is {v}.", None, "What is my favourite colour?", COLOURS),
+    "neighbour": ("My neighbour is called {v}.", None, "What is my neighbour's name?", NAMES),
+    "food": ("My favourite food is {v}.", None, "What is my favourite food?", FOODS),
+    "instrument": ("I play the {v}.", None, "Which instrument do I play?", INSTRUMENTS),
+    "month": ("I was born in {v}.", None, "Which month was I born in?", MONTHS),
     "city": ("I live in {v}.", "I have moved: I live in {v} now.", "Which city do I live in now?", CITIES),
     "car": ("I drive a {v}.", "I sold my old car; I drive a {v} now.", "What car do I drive now?", CARS),
     "job": ("I work as a {v}.", "I changed jobs: I work as a {v} now.", "What is my job now?", JOBS),
@@ -147,7 +154,7 @@ def make_user(rng: random.Random, sessions: int, n_filler: int, shared: dict) ->
             continue
         questions.append({"kind": "temporal", "q": f"Which did I visit first, {a} or {b}?", "want": [first],
                           "first": first, "second": second, "not": [], "evidence": [ta, tb]})
-    for q in rng.sample(NEVER, 3):
+    for q in rng.sample(NEVER, 4):
         questions.append({"kind": "abstain", "q": q, "want": [], "not": [], "evidence": []})
     return {"sessions": hist, "times": times, "facts": facts, "questions": questions}
 
@@ -175,7 +182,10 @@ def run(args) -> dict:
             if q["kind"] == "single" and q["fact"] in shared and len(shared[q["fact"]]) > 1:
                 q["others"] = [v for v in shared[q["fact"]] if v not in q["want"]]
     work = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="kvm-chatmem-")) / "m.kvm"
-    mem = kvmemory.Memory(work)
+    from kvmemory.config import StoreConfig, from_env
+    cfg = from_env(StoreConfig, block_tokens=args.block_tokens, codec=args.codec)
+    mem = kvmemory.Memory(work, store_config=cfg)
+    layout = {"block_tokens": mem.block_tokens, "codec": mem.require_store().manifest.codec}
     writes, hist_tokens, bar = [], 0, _bar(sum(len(s) for u in users.values() for s in u["sessions"]), "remember")
     for name, u in users.items():
         cm = mem.chat_memory(name, args.layout)
@@ -226,7 +236,7 @@ def run(args) -> dict:
             hist_tokens / max(1, len(users)), "exchanges": len(writes),
             "write_ms": {"median": 1000 * statistics.median(writes), "p90": 1000 * _pct(writes, 0.9)},
             "write_model_calls": "one prefill per exchange, no generation", "kv_bytes_per_token": per_token,
-            "disk_bytes_per_token": disk / max(1, hist_tokens), "rows": rows,
+            "disk_bytes_per_token": disk / max(1, hist_tokens), "store_layout": layout, "rows": rows,
             "summary": summarize(rows, conds)}
 
 
@@ -343,12 +353,19 @@ def main() -> None:
     ap.add_argument("--conditions", default="none,text,kv,full,oracle")
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh draw")
     ap.add_argument("--store", default=None, help="store directory (default: a temporary one)")
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per block of a new store (default: KVMEMORY_BLOCK_TOKENS or 256); a chat "
+                         "turn fills one partial block, so small blocks pad less")
+    ap.add_argument("--codec", choices=("none", "zstd"), default=None,
+                    help="KV codec of a new store (default: KVMEMORY_CODEC or none)")
     ap.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     args = ap.parse_args()
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"chat-memory-{time.strftime('%Y-%m-%d')}-s{args.sessions}-{args.layout or 'default'}"
+    lay = res["store_layout"]
+    stem = out / (f"chat-memory-{time.strftime('%Y-%m-%d')}-s{args.sessions}-{args.layout or 'default'}"
+                  f"-b{lay['block_tokens']}-{lay['codec']}")
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     plot(res, stem.with_suffix(".png"))
     m = res["machine"]
@@ -356,7 +373,8 @@ def main() -> None:
     print(f"history: {res['history_tokens_per_user']:.0f} tokens per user, {res['exchanges']} exchanges remembered; "
           f"write {res['write_ms']['median']:.0f} ms median ({res['write_ms']['p90']:.0f} p90) per exchange, "
           f"{res['write_model_calls']}; {res['kv_bytes_per_token']} KV bytes per token "
-          f"({res['disk_bytes_per_token']:.0f} on disk, preludes included)")
+          f"({res['disk_bytes_per_token']:.0f} on disk, preludes included; blocks of {res['store_layout']['block_tokens']} "
+          f"tokens, codec {res['store_layout']['codec']})")
     print(table(res))
     print(f"wrote {stem}.json and .png")
 

@@ -129,8 +129,9 @@ class States:
 
         def build(s):
             new, rows = s.plan_chain(chain, ids, 0, -1, kv_of)   # another writer may have committed some
-            if not new and state_id in s.manifest.states and not label:
-                return Change()
+            have = s.manifest.states.get(state_id)
+            if not new and have is not None and (not label or have.label == label):
+                return Change()                      # already stored as asked: no commit
             return Change(new, {state_id: StateEntry(last_row=rows[-1], n_tokens=len(ids), label=label,
                                                      created=time.time())})
 

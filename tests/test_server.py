@@ -313,33 +313,50 @@ def test_greedy_replies_are_equal_restored_or_recomputed_across_sigkill(tmp_path
 
 
 def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memory(served, rng):
-    from kvmemory.server.sessions import session_prefix
+    """Without a user, a session past the window keeps its older turns in a memory of its own and
+    recalls them as KV (grafted, not quoted); no other session recalls them; forgetting the session
+    forgets them."""
+    from kvmemory.server.memory_chat import session_memory
     url, mem, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    msgs = [{"role": "system", "content": "You are a ship's log keeper."},
-            {"role": "user", "content": "Note this: the vault code is 4417. " + words(rng, 400)},
-            {"role": "assistant", "content": "Noted. " + words(rng, 100)}]
-    for i in range(18):                                  # ~9,000 tokens: past the 8,192-token window
-        msgs += [{"role": "user", "content": f"Entry {i}. " + words(rng, 400)},
-                 {"role": "assistant", "content": "Logged. " + words(rng, 50)}]
-    msgs.append({"role": "user", "content": "What is the vault code?"})
+
+    def long_conversation(first: str) -> list[dict]:
+        msgs = [{"role": "system", "content": "You are a ship's log keeper."},
+                {"role": "user", "content": first + words(rng, 400)},
+                {"role": "assistant", "content": "Noted. " + words(rng, 100)}]
+        for i in range(18):                              # ~9,000 tokens: past the 8,192-token window
+            msgs += [{"role": "user", "content": f"Entry {i}. " + words(rng, 400)},
+                     {"role": "assistant", "content": "Logged. " + words(rng, 50)}]
+        return msgs + [{"role": "user", "content": "What is the vault code?"}]
+    msgs = long_conversation("Note this: the vault code is 4417. ")
     n = len(mem.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
     assert n > mem.geometry.max_positions
     body = {"model": mem.model_name, "messages": msgs, "max_tokens": 4, "temperature": 0}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"   # no session named
     a = client.chat.completions.create(prompt_cache_key="long", **body)
-    assert a.usage.prompt_tokens < mem.geometry.max_positions
+    km = a.model_extra["kvmemory"]
+    assert km["user"] is None and km["session"] == "long"
+    assert any("4417" in x["text"] for x in km["recalled"]), km["recalled"]
+    assert km["tokens_grafted"] == sum(x["tokens"] for x in km["recalled"]) > 0       # as KV, not quoted
+    assert a.usage.prompt_tokens == km["window_tokens"] < mem.geometry.max_positions
+    assert a.usage.prompt_tokens_details.cached_tokens >= km["tokens_grafted"]
     s = httpx.get(url + "/v1/sessions/long").json()
     assert any("4417" in x["text"] for x in s["last_recall"]), s["last_recall"]
-    session_docs = [d.doc_id for d in mem.docs() if d.doc_id.startswith(session_prefix("long"))]
-    assert session_docs and all(not d["doc_id"].startswith("session:")
-                                for d in httpx.get(url + "/v1/documents").json()["data"])
-    again = client.chat.completions.create(prompt_cache_key="long", **body)   # nothing deposited twice
-    assert [d.doc_id for d in mem.docs() if d.doc_id.startswith(session_prefix("long"))] == session_docs
+    kept = session_memory(mem, "long").turns()
+    assert kept and all(t["session"] == "long" for t in kept)
+    assert mem.docs() == [] and httpx.get(url + "/v1/documents").json()["data"] == []   # nothing shared
+    again = client.chat.completions.create(prompt_cache_key="long", **body)   # nothing remembered twice
+    assert session_memory(mem, "long").turns() == kept
     assert again.choices[0].message.content == a.choices[0].message.content
-    assert httpx.delete(url + "/v1/sessions/long").json()["documents"] == len(session_docs)
-    assert not [d for d in mem.docs() if d.doc_id.startswith("session:")]
+    assert again.model_extra["kvmemory"]["recalled"] == km["recalled"]
+    other = client.chat.completions.create(prompt_cache_key="other", **{
+        **body, "messages": long_conversation("Note this: the harbour is calm. ")})
+    assert not any("4417" in x["text"] for x in other.model_extra["kvmemory"]["recalled"])   # its own turns only
+    d = httpx.delete(url + "/v1/sessions/long").json()
+    assert d["documents"] == len(kept) and d["states"] >= 2
+    assert session_memory(mem, "long").turns() == [] and session_memory(mem, "other").turns()
+    assert httpx.get(url + "/v1/sessions/long").status_code == 404
 
 
 def _readme_blocks(lang: str) -> list[str]:

@@ -68,6 +68,12 @@ def user_key(user: str) -> str:
     return xxhash.xxh3_128_hexdigest(("kvmemory-user:" + user).encode())[:12]     # 48 bits
 
 
+def session_memory_key(session: str) -> str:
+    """The key of the memory of a session without a user (its own older turns): hashed in a domain
+    of its own, so it is no user's key."""
+    return xxhash.xxh3_128_hexdigest(("kvmemory-session-memory:" + session).encode())[:12]
+
+
 def session_key(session: str) -> str:
     return xxhash.xxh3_64_hexdigest(("kvmemory-session:" + session).encode())
 
@@ -95,9 +101,9 @@ class ChatMemory:
     """layout: how recalled turns sit in a window (kvmemory/chat_memory/window.py), and so what their
     blocks were computed behind; one per store (LAYOUTS)."""
 
-    def __init__(self, mem, user: str, layout: str | None = None) -> None:
+    def __init__(self, mem, user: str, layout: str | None = None, key: str | None = None) -> None:
         self.mem, self.user = mem, user
-        self.key = user_key(user)
+        self.key = user_key(user) if key is None else key
         self.layout = LAYOUT if layout is None else layout
         if self.layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -218,10 +224,15 @@ class ChatMemory:
         store = self.mem.require_store()
         store.refresh()
         mine = f"kvmemory:chat:{self.key}:"
+        live = {(sid, e.last_row) for sid, e in store.manifest.states.items() if e.label.startswith(mine)}
+        chains = self.docs.own_chains           # kept with the user's indexes: each chain is walked once
+        for k in [k for k in chains if k not in live]:
+            del chains[k]
         rows: set[int] = set()
-        for e in store.manifest.states.values():
-            if e.label.startswith(mine) and e.last_row not in rows:
-                rows.update(store.chain(e.last_row))
+        for k in live:
+            if k not in chains:
+                chains[k] = store.chain(k[1])
+            rows.update(chains[k])
         return rows
 
     def state_label(self, session: str | None) -> str:

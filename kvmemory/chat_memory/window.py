@@ -79,7 +79,7 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
         msgs = quoted(messages, hits) if hits else messages
         ids = prompts.chat_ids(mem.tokenizer, msgs)
         while hits and len(ids) + max_new_tokens > limit:
-            hits = hits[1:]                               # the oldest go first
+            hits = _drop_least(hits)
             ids = prompts.chat_ids(mem.tokenizer, quoted(messages, hits) if hits else messages)
         _fits(len(ids), max_new_tokens, limit)
         prefix = mem.save(ids[:-1], label=label, reuse=reuse, owner=owner) if len(ids) > 1 else None
@@ -91,7 +91,7 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
                       _stats(hits, cached, 0, 0, len(ids) - cached, len(ids), recall_s))
     prefix_ids, tail = parts
     while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + max_new_tokens > limit:
-        hits = hits[1:]
+        hits = _drop_least(hits)
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
     g = mem.geometry
     if prefix_ids:
@@ -115,6 +115,13 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
     return Window(prefix_ids + tail, cache, logits, cached + grafted, states, hits,
                   _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot),
                          kv.shape[3] + len(foot), recall_s))
+
+
+def _drop_least(hits: list) -> list:
+    """hits (in time order) without the least relevant one: what goes first when they do not all fit
+    (the oldest may be the one asked about)."""
+    worst = min(range(len(hits)), key=lambda i: (hits[i].score, -i))
+    return hits[:worst] + hits[worst + 1:]
 
 
 def _fits(n: int, max_new_tokens: int, limit: int) -> None:

@@ -1,5 +1,7 @@
 """The chat service behind POST /v1/chat/completions: fit a conversation to the window, restore its
-stored prefix, decode, and save the conversation with its reply.
+stored prefix, decode, and save the conversation with its reply. A conversation longer than the
+window keeps its system message and latest turns; its older turns go to the session's memory (or,
+with a user, the user's) and the most relevant come back grafted as KV (server/memory_chat.py).
 
 Persistence: the prompt of every request is saved as a state (its blocks content-addressed), so a
 request whose messages extend a stored conversation restores the longest stored prefix exactly
@@ -14,17 +16,15 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.decode import TextStream, greedy, sampler
 from kvmemory.device import ids_tensor
 from kvmemory.server.errors import ApiError, bad, check_id
-from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_record
+from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_memory, session_record
 from kvmemory.server.schemas import ChatCompletionRequest
-from kvmemory.server.sessions import Sessions, session_prefix
+from kvmemory.server.sessions import Sessions
 
-RECALL_BLOCKS = 3                  # blocks of older turns brought back per turn when over the window
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -93,51 +93,27 @@ class ChatService:
                            param="messages", code="context_length_exceeded")
         return head, rest, k
 
-    def fit(self, p: ChatParams) -> tuple[list[int], list[dict]]:
-        """The prompt's token ids. A conversation longer than the window keeps its system message
-        and latest turns; its older turns are deposited as the session's documents (once each,
-        content-addressed) and the blocks of them most relevant to the latest message are selected
-        (the engine of ask) and quoted in the system message. Returns (ids, what was recalled)."""
-        messages = p.messages
-        ids = self.ids(messages)
-        limit = self.mem.geometry.max_positions
-        if len(ids) + p.max_tokens <= limit:
-            return ids, []
+    def overflows(self, p: ChatParams) -> bool:
+        """Whether the conversation and its reply exceed the window: then its older turns go to
+        the session's memory (session_memory) and come back as KV. Without a session: ApiError."""
+        n, limit = len(self.ids(p.messages)), self.mem.geometry.max_positions
+        if n + p.max_tokens <= limit:
+            return False
         if p.session is None:
-            raise ApiError(400, f"the conversation is {len(ids)} tokens and max_tokens {p.max_tokens}; the "
+            raise ApiError(400, f"the conversation is {n} tokens and max_tokens {p.max_tokens}; the "
                                 f"model's window is {limit}. Name a session (prompt_cache_key) to keep older turns "
                                 "in memory instead", param="messages", code="context_length_exceeded")
-        head, rest, k = self.keep_latest(p, limit - p.max_tokens - (RECALL_BLOCKS + 1) * self.mem.block_tokens)
-        prefix = session_prefix(p.session)
-        have = self.mem.require_store().manifest.docs
-        for m in rest[:k]:
-            text = f"{m['role']}: {m['content']}"
-            doc_id = prefix + xxhash.xxh3_64_hexdigest(text.encode())
-            if doc_id not in have and text.strip():
-                self.mem.add(text, doc_id=doc_id)
-        query = next((m["content"] for m in reversed(rest) if m["role"] == "user"), rest[-1]["content"])
-        hits = self.mem.retrieve(query, k=RECALL_BLOCKS, doc_filter=lambda d: d.startswith(prefix)) \
-            if query.strip() else []
-
-        def with_excerpts(hits) -> list[int]:
-            note = "Earlier in this conversation (excerpts):\n" + "\n".join(h["text"].strip() for h in hits)
-            sys_msg = {"role": "system", "content": ((head[0]["content"] + "\n\n") if head else "") + note}
-            return self.ids([sys_msg] + head[1:] + rest[k:])
-        ids = with_excerpts(hits)
-        while len(ids) + p.max_tokens > limit and hits:        # excerpts never push it over
-            hits = hits[:-1]
-            ids = with_excerpts(hits)
-        return ids, [{k_: h[k_] for k_ in ("doc_id", "start_token", "end_token", "score", "text")} for h in hits]
+        return True
 
     def _prepare(self, p: ChatParams) -> Prepared:
-        """Without a user: the prompt fitted to the window, its prefix restored (or computed) and saved."""
+        """Without a user, a conversation that fits the window: its prefix restored (or computed) and saved."""
         mem = self.mem
-        ids, recalled = self.fit(p)
+        ids = self.ids(p.messages)
         prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
         out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
         return Prepared(ids, cache, out.logits[0, -1], prefix.reused_tokens if prefix is not None else 0,
-                        [prefix.id] if prefix is not None else [], recalled, None, None)
+                        [prefix.id] if prefix is not None else [], [], None, None)
 
     def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
         """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
@@ -145,7 +121,12 @@ class ChatService:
         mem = self.mem
         with mem.exclusive():                                      # one request's model work at a time
             with torch.inference_mode():
-                w = self._prepare(p) if p.user is None else memory_window(self, p)
+                if p.user is not None:
+                    w = memory_window(self, p)
+                elif self.overflows(p):                            # its older turns: the session's memory
+                    w = memory_window(self, p, session_memory(mem, p.session))
+                else:
+                    w = self._prepare(p)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=lambda t: stream(t) or cancel.is_set(),

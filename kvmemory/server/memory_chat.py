@@ -9,7 +9,11 @@ Layout chosen so the session prefix restores bit-exactly (as without memory) and
 next to the question. A conversation longer than the window keeps its system message and latest
 turns; its older exchanges are in the user's memory (remembered turn by turn) and recalled the
 same way, as KV, not quoted. The user's states reuse only the user's own blocks: another user's
-equal prefix is recomputed, never a cache hit (nor a faster first token)."""
+equal prefix is recomputed, never a cache hit (nor a faster first token).
+
+A session without a user that outgrows the window takes the same path with a memory of its own
+(session_memory: keyed by the session, no user's): its older exchanges remembered, and the most
+relevant of them recalled as KV; nothing of any other session is recalled."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.chat_memory import user_key, window
+from kvmemory.chat_memory import ChatMemory, user_key, window
+from kvmemory.chat_memory.memory import session_memory_key
 
 RECALL_SESSION = "default"         # the session of a user's request that names none
 
@@ -38,6 +43,12 @@ class Prepared:
     owner: str | None = None       # keys the ids of the states saved (a user's own entries)
 
 
+def session_memory(mem, session: str) -> ChatMemory:
+    """The memory of a session without a user: only its own older turns, in a namespace keyed by the
+    session (apart from every user's; forgotten with the session)."""
+    return ChatMemory(mem, f"session {session}", key=session_memory_key(session))
+
+
 def session_record(p) -> str:
     """The key of a session's record: a user's sessions are the user's own (two users may name a
     session alike)."""
@@ -56,9 +67,11 @@ def _fit_with_memory(service, p, cm) -> list[dict]:
     return head + rest[k:]
 
 
-def memory_window(service, p) -> Prepared:
+def memory_window(service, p, cm=None) -> Prepared:
+    """The window of a request with a user (cm: the user's memory), or of a session without one
+    that outgrew the window (cm: session_memory)."""
     mem = service.mem
-    cm = mem.chat_memory(p.user)
+    cm = mem.chat_memory(p.user) if cm is None else cm
     owned = cm.own_rows()
     label = cm.state_label(p.session)
     messages = _fit_with_memory(service, p, cm)
@@ -70,7 +83,8 @@ def memory_window(service, p) -> Prepared:
     store = mem.require_store()
     for sid in w.states:                           # the prefix just saved is the user's own from now on
         owned.update(store.chain(store.manifest.states[sid].last_row))
-    memory = {"user": p.user, **{k: v for k, v in w.stats.items() if k != "recall_s"}}
+    memory = {"user": p.user, **({} if p.user is not None else {"session": p.session}),
+              **{k: v for k, v in w.stats.items() if k != "recall_s"}}
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
                  "end_token": r["tokens"]} for r in w.stats["recalled"]]
     return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, owned.__contains__, label,

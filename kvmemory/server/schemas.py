@@ -351,7 +351,7 @@ class SessionDeleted(BaseModel):
     id: str
     deleted: bool
     states: int
-    documents: int
+    documents: int = Field(description="the session's older turns forgotten (kept when it outgrew the window)")
 
 
 # ---------------------------------------------------------------------- users (chat memory)

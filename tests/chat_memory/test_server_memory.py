@@ -56,6 +56,7 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     kept = httpx.get(url + "/v1/users/alice/memory").json()
     assert {s["id"] for s in kept["sessions"]} == {"s1", "s2", "s3", "s4"} and kept["tokens"] > 0
     assert kept["kv_bytes"] > kept["tokens"]
+    assert httpx.get(url + "/v1/documents").json()["data"] == []        # no user's turns among the documents
     # forgetting a session: the next request recalls nothing of it
     gone = httpx.delete(url + "/v1/users/alice/sessions/s1").json()
     assert gone["deleted"] and gone["turns"] == 1 and gone["states"] >= 1

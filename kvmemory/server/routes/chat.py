@@ -28,7 +28,7 @@ def usage(r: dict) -> Usage:
 async def chat_completions(body: ChatCompletionRequest, request: Request, c: Context = Depends(ctx)):
     p = params_of(body, (c.model_id, "kvmemory"), request.headers)
     if p.session is None:                  # no session to keep older turns in: refuse now, not mid-stream
-        c.chat.fit(p)
+        c.chat.overflows(p)
     head = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": c.model_id,
             "system_fingerprint": "kvm-" + c.mem.fingerprint[-12:]}
     if not p.stream:

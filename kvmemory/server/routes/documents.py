@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvmemory.documents import check_doc_id, decode_text
+from kvmemory.documents import USER_DOCS, check_doc_id, decode_text
 from kvmemory.errors import InputError
 from kvmemory.server.context import Context, ctx
 from kvmemory.server.errors import ApiError, bad, check_id, not_found
@@ -88,7 +88,8 @@ async def get_job(job_id: str, c: Context = Depends(ctx)):
 async def list_documents(c: Context = Depends(ctx)):
     store = c.mem.require_store()          # the store, not the Memory: answers while a deposit runs
     store.refresh()
-    docs = sorted(((k, d) for k, d in store.manifest.docs.items() if not k.startswith(SESSION_DOCS)),
+    # the shared documents only: not a session's older turns, nor any user's chat memory
+    docs = sorted(((k, d) for k, d in store.manifest.docs.items() if not k.startswith((SESSION_DOCS, USER_DOCS))),
                   key=lambda kv: kv[1].created)
     per_token = per_token_bytes(store.manifest)
     return DocumentList(data=[Document(doc_id=k, n_tokens=d.n_tokens, blocks=len(d.rows), kv_bytes=d.n_tokens * per_token,

@@ -1,10 +1,11 @@
 """GET and DELETE /v1/sessions/{session_id}: a chat session's states and what it recalled; forgetting
-it removes its states and its older turns' documents."""
+it removes its states and its memory (the older turns of a session that outgrew the window)."""
 
 from fastapi import APIRouter, Depends
 
 from kvmemory.server.context import Context, ctx
 from kvmemory.server.errors import check_id, not_found
+from kvmemory.server.memory_chat import session_memory
 from kvmemory.server.schemas import Session, SessionDeleted
 from kvmemory.server.sessions import session_prefix
 
@@ -21,16 +22,18 @@ async def get_session(session_id: str, c: Context = Depends(ctx)):
 
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
 async def delete_session(session_id: str, c: Context = Depends(ctx)):
-    s = c.sessions.forget(check_id(session_id, "session_id"))
+    s = c.sessions.data.get(check_id(session_id, "session_id"))
     if s is None:
         raise not_found("session", session_id, "session_id")
     prefix, mem = session_prefix(session_id), c.mem
 
     def forget():
         mem.forget_states(s["states"])
+        # stores written before session memory kept a session's older turns as shared documents
         gone = [d for d in mem.require_store().manifest.docs if d.startswith(prefix)]
         for d in gone:
             mem.remove(d)
-        return len(gone)
+        return len(gone) + session_memory(mem, session_id).forget().turns
     n_docs = await c.worker.run(forget)
+    c.sessions.forget(session_id)          # last: a crash before it leaves a record to forget again
     return SessionDeleted(id=session_id, deleted=True, states=len(s["states"]), documents=n_docs)
