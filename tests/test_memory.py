@@ -42,6 +42,19 @@ def test_state_id_is_content_address(mem, rng):
     assert mem.save(ids[:-1]).id != a.id
 
 
+def test_a_state_stored_as_asked_is_not_committed_again(mem, rng):
+    """Saving a stored state again with the same label commits nothing (a chat request restoring
+    its conversation writes no record before its first token); a new label is a commit."""
+    ids = [rng.randrange(49152) for _ in range(300)]
+    a = mem.save(ids, label="kvmemory:chat:x")
+    commit = mem.store.manifest.commit
+    b = mem.save(ids, label="kvmemory:chat:x")
+    assert b.id == a.id and b.reused_tokens == len(ids) and mem.store.manifest.commit == commit
+    assert mem.save(ids).id == a.id and mem.store.manifest.commit == commit        # no label: as before
+    mem.save(ids, label="kvmemory:chat:y")
+    assert mem.store.manifest.commit == commit + 1 and mem.store.manifest.states[a.id].label == "kvmemory:chat:y"
+
+
 def test_prefixes_share_blocks_and_trailing_partial_is_stored(mem, rng):
     C = mem.block_tokens
     ids = [rng.randrange(49152) for _ in range(2 * C + 37)]
