@@ -149,6 +149,7 @@ def reply(mem, cm, messages: list[dict], session: str | None = None, max_new_tok
         w = build(mem, cm, messages, session, max_new_tokens, as_, k, reuse=reuse.__contains__,
                   label=cm.state_label(session), owner=cm.key)
         ttft = time.perf_counter() - t0
+        reuse = cm.own_rows()                     # with the prefix just saved (its rows are read back)
         stream = TextStream(mem.tokenizer, strip=True)
         new = greedy(mem.model, w.cache, w.logits, max_new_tokens, mem.eos_ids, on_token=stream)
         text = stream.finish(new)

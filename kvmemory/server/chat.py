@@ -93,10 +93,11 @@ class ChatService:
                            param="messages", code="context_length_exceeded")
         return head, rest, k
 
-    def overflows(self, p: ChatParams) -> bool:
-        """Whether the conversation and its reply exceed the window: then its older turns go to
-        the session's memory (session_memory) and come back as KV. Without a session: ApiError."""
-        n, limit = len(self.ids(p.messages)), self.mem.geometry.max_positions
+    def overflows(self, p: ChatParams, ids: list[int] | None = None) -> bool:
+        """Whether the conversation (ids: its tokens, if already known) and its reply exceed the
+        window: then its older turns go to the session's memory (session_memory) and come back as
+        KV. Without a session: ApiError."""
+        n, limit = len(self.ids(p.messages) if ids is None else ids), self.mem.geometry.max_positions
         if n + p.max_tokens <= limit:
             return False
         if p.session is None:
@@ -105,10 +106,10 @@ class ChatService:
                                 "in memory instead", param="messages", code="context_length_exceeded")
         return True
 
-    def _prepare(self, p: ChatParams) -> Prepared:
-        """Without a user, a conversation that fits the window: its prefix restored (or computed) and saved."""
+    def _prepare(self, p: ChatParams, ids: list[int]) -> Prepared:
+        """Without a user, a conversation (its tokens: ids) that fits the window: its prefix restored
+        (or computed) and saved."""
         mem = self.mem
-        ids = self.ids(p.messages)
         prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
         out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
@@ -121,12 +122,13 @@ class ChatService:
         mem = self.mem
         with mem.exclusive():                                      # one request's model work at a time
             with torch.inference_mode():
+                ids = None if p.user is not None else self.ids(p.messages)
                 if p.user is not None:
                     w = memory_window(self, p)
-                elif self.overflows(p):                            # its older turns: the session's memory
+                elif self.overflows(p, ids):                       # its older turns: the session's memory
                     w = memory_window(self, p, session_memory(mem, p.session))
                 else:
-                    w = self._prepare(p)
+                    w = self._prepare(p, ids)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=lambda t: stream(t) or cancel.is_set(),

@@ -80,9 +80,7 @@ def memory_window(service, p, cm=None) -> Prepared:
         extra = [h for h in cm.recall(messages[-1]["content"], k=window.RECALL_TURNS) if h.session == p.session]
     w = window.build(mem, cm, messages, p.session, p.max_tokens, "kv", reuse=owned.__contains__, label=label,
                      extra=extra, owner=cm.key)
-    store = mem.require_store()
-    for sid in w.states:                           # the prefix just saved is the user's own from now on
-        owned.update(store.chain(store.manifest.states[sid].last_row))
+    owned = cm.own_rows()                          # with the prefix just saved: the user's own from now on
     memory = {"user": p.user, **({} if p.user is not None else {"session": p.session}),
               **{k: v for k, v in w.stats.items() if k != "recall_s"}}
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
