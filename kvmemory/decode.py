@@ -16,7 +16,14 @@ def greedy(model, cache, logits: torch.Tensor, max_new_tokens: int, eos: set[int
 
     pick(logits) -> token id chooses each token (default: argmax, greedy). Stops at an eos id
     (not included), after max_new_tokens, or when on_token(new_ids), called after each token (for
-    streaming), returns True; no forward pass for a token it would not use."""
+    streaming), returns True; no forward pass for a token it would not use.
+
+    On a thread that serves through a kvmemory.batching.Batcher of this model, the sequence decodes
+    in the batcher's shared loop (continuous batching) under the same rules."""
+    from kvmemory import batching
+    b = batching.current()
+    if b is not None and b.model is model:
+        return b.decode(cache, logits, max_new_tokens, eos, on_token, pick)
     pick = pick or (lambda x: int(x.argmax()))
     new: list[int] = []
     nxt = pick(logits)

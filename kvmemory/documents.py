@@ -368,6 +368,7 @@ class Documents:
             rows += seg_rows
             if progress is not None:
                 progress.update(len(seg))
+            mem.make_way()
         # index entries first (entries of invisible rows are ignored at query time), the manifest
         # entry last: the commit
         entry = DocEntry(rows=rows, n_tokens=len(ids), segments=-(-len(ids) // seg_len), source=source,
@@ -402,7 +403,10 @@ class Documents:
         if all(r is not None for r in rows):
             return rows, None
         cache = prelude.cache()
-        kv = [b for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p)]
+        kv = []
+        for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p):
+            kv.append(b)
+            mem.make_way()                   # a deposit gives way to questions between blocks (defer_to)
         if before_commit is not None:
             before_commit()
         return self._commit_segment(chain, seg, kv, prelude_row, p, C), kv

@@ -31,6 +31,9 @@ __all__ = ["Memory", "State", "StateInfo"]
 USER_SCOPES = 64                   # users whose selection indexes stay loaded
 
 
+MAKE_WAY_S = 2.0          # the longest a deposit waits between two blocks for other work (Memory.defer_to)
+
+
 def _locked(method):
     """Run a Memory method under the Memory's lock: one operation at a time per Memory."""
     @functools.wraps(method)
@@ -94,6 +97,7 @@ class Memory:
         self._library = None
         self._user_docs: dict = {}
         self._segment_blocks = segment_blocks
+        self._busy, self._deferring = None, None
 
     def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
@@ -144,6 +148,28 @@ class Memory:
         """The Memory's lock (re-entrant): hold it to run several operations, or direct use of
         self.model, with no other thread's operation in between."""
         return self._lock
+
+    def defer_to(self, busy) -> None:
+        """Make the calling thread's deposits give way: between two blocks, while busy() is true
+        (other work waits for the model: the server's requests), the deposit lets go of the model
+        and waits, at most MAKE_WAY_S a block, so a question asked during a long deposit waits for
+        one block, not the document. busy=None: this thread deposits without pausing."""
+        self._busy, self._deferring = busy, (threading.get_ident() if busy is not None else None)
+
+    def make_way(self) -> float:
+        """A deposit's pause point (between blocks): see defer_to. Returns the seconds it waited."""
+        busy = self._busy
+        if busy is None or self._deferring != threading.get_ident() or not busy() or not self._lock._is_owned():
+            return 0.0
+        import time
+        t0 = time.monotonic()
+        held = self._lock._release_save()
+        try:
+            while busy() and time.monotonic() - t0 < MAKE_WAY_S:
+                time.sleep(0.005)
+        finally:
+            self._lock._acquire_restore(held)
+        return time.monotonic() - t0
 
     def forget_blocks(self, rows) -> None:
         """Drop rows from the pager's caches (after their document was removed)."""

@@ -22,6 +22,9 @@ def register(add) -> None:
                     help="file holding the bearer token clients must send (or set KVMEMORY_API_KEY)")
     sp.add_argument("--queue", type=positive_int, default=32, metavar="N",
                     help="requests that may wait for the model; more get 429 (default 32)")
+    sp.add_argument("--batch", type=positive_int, default=8, metavar="N",
+                    help="requests in flight at once, their decoding batched: one forward a step for all "
+                         "(continuous batching; default 8; 1: one request at a time, decoded alone)")
     sp.add_argument("--max-body-mb", type=positive_int, default=16, metavar="MB", help="request size limit (413)")
     sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
@@ -48,5 +51,5 @@ def cmd_serve(args) -> int:
                   queue_size=args.queue, max_body_bytes=args.max_body_mb << 20)
         return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
-          max_body_bytes=args.max_body_mb << 20)
+          max_body_bytes=args.max_body_mb << 20, batch=args.batch)
     return 0

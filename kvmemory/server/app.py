@@ -26,29 +26,44 @@ from kvmemory.server.schemas import ErrorResponse
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 
+DEFAULT_BATCH = 8                                # requests in flight, decoded together (kvmemory.batching)
 OPEN_PATHS = ("/health",) + WEB_PATHS            # the page holds no data: it asks for the key
 
 
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
-               serve_dir: Path | None = None, job_prefix: str = "job-") -> FastAPI:
+               serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH) -> FastAPI:
     """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
     serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
-    serve one store); job_prefix: how job ids start (a replica's rank, for routing)."""
+    serve one store); job_prefix: how job ids start (a replica's rank, for routing); batch: how many
+    requests run at once, their decoding batched (1: one at a time, decoded alone)."""
     from kvmemory import __version__
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
-    c = Context(mem=mem, worker=Worker(queue_size), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
+    c = Context(mem=mem, worker=Worker(queue_size, mem, batch), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes)
+    c.chat.pending = lambda: c.worker.pending
     stop = threading.Event()
 
     @asynccontextmanager
     async def lifespan(app):
-        t = threading.Thread(target=c.jobs.run, args=(mem, stop), name="kvmemory-deposits", daemon=True)
+        def deposits():
+            mem.defer_to(lambda: c.worker.pending > 0)      # a deposit gives way to requests between blocks
+            c.jobs.run(mem, stop)
+
+        def saves():                                         # replies' saves deferred under load, when idle
+            while not stop.wait(0.05):
+                c.chat.flush()
+        t = threading.Thread(target=deposits, name="kvmemory-deposits", daemon=True)
         t.start()
+        f = threading.Thread(target=saves, name="kvmemory-saves", daemon=True)
+        f.start()
         yield
         stop.set()
         t.join(timeout=5)
+        f.join(timeout=5)
+        c.chat.flush(all_=True)                              # nothing deferred is lost at shutdown
+        c.worker.close()
 
     errors = {s: {"model": ErrorResponse, "description": "an error in OpenAI's shape"} for s in DOCUMENTED}
     app = FastAPI(title="kvmemory", version=__version__, lifespan=lifespan, responses=errors)
@@ -126,12 +141,12 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
-          queue_size: int = 32, max_body_bytes: int = 16 << 20) -> None:
+          queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH) -> None:
     """Open (or create) the store and serve it until interrupted."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
     mem = Memory(store, model=model)
-    uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes),
+    uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch),
                 host=host, port=port, log_level="warning")

@@ -68,9 +68,16 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
 
 
 class ChatService:
+    """pending() -> how many requests the server has admitted (set by the app): while others wait,
+    the save of a plain session's conversation with its reply is deferred (`later`): it runs when
+    the server is idle (`flush`), or is folded into the session's next turn, whose prompt holds the
+    reply and is saved anyway, so a busy server computes it once instead of twice."""
+
     def __init__(self, mem, sessions: Sessions) -> None:
         self.mem = mem
         self.sessions = sessions
+        self.pending = lambda: 0
+        self.later: dict[str, tuple] = {}          # session record -> (p, w, new): the reply's save, deferred
 
     def ids(self, messages: list[dict]) -> list[int]:
         return prompts.chat_ids(self.mem.tokenizer, messages)
@@ -123,6 +130,8 @@ class ChatService:
         with mem.exclusive():                                      # one request's model work at a time
             with torch.inference_mode():
                 ids = None if p.user is not None else self.ids(p.messages)
+                if p.session is not None:
+                    self._fold(session_record(p), ids)
                 if p.user is not None:
                     w = memory_window(self, p)
                 elif self.overflows(p, ids):                       # its older turns: the session's memory
@@ -136,14 +145,52 @@ class ChatService:
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
-            # the conversation with its reply, computed canonically (without what was recalled):
-            # the next turn restores it
-            state = None if cancelled else mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse,
-                                                    owner=w.owner)
-            if state is not None and p.user is not None:
-                remember(self, p, text)
-        if state is not None and p.session:
-            self.sessions.record(session_record(p), w.states + [state.id], state.n_tokens, w.recalled,
-                                 user=p.user)
+            if not cancelled and p.session and p.user is None and w.label is None and self.pending() > 1:
+                self.later[session_record(p)] = (p, w, new)          # others wait: save when idle
+            elif not cancelled:
+                self._finish(p, w, new, text)
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
                 "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory}
+
+    def _finish(self, p: ChatParams, w: Prepared, new: list[int], text: str | None, save: bool = True) -> None:
+        """After a reply: the conversation with it saved, computed canonically (without what was
+        recalled), so the next turn restores it; the exchange remembered (with a user); the session's
+        record. save=False: the next turn's prompt holds the reply and was saved instead."""
+        mem = self.mem
+        with mem.exclusive(), torch.inference_mode():
+            state = mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse, owner=w.owner) \
+                if save else None
+            if p.user is not None:
+                remember(self, p, text)
+        if p.session:
+            self.sessions.record(session_record(p), w.states + ([state.id] if state is not None else []),
+                                 state.n_tokens if state is not None else len(w.ids) + len(new), w.recalled,
+                                 user=p.user)
+
+    def _fold(self, key: str, ids: list[int] | None) -> None:
+        """A session's deferred save before its next turn: skipped where this turn's prompt (ids)
+        extends the conversation with the reply (this turn saves it), run now otherwise."""
+        job = self.later.pop(key, None)
+        if job is not None:
+            p, w, new = job
+            done = w.ids + new
+            self._finish(p, w, new, None, save=not (ids is not None and ids[:len(done)] == done and len(ids) > len(done)))
+
+    def take(self, key: str):
+        """A session's deferred save, removed (its session is being forgotten), or None (dict.pop is
+        atomic: no lock, so the event loop never waits for the model)."""
+        return self.later.pop(key, None)
+
+    def flush(self, all_: bool = False) -> int:
+        """Run the deferred saves while nothing else waits (all_: every one, as at shutdown). Returns
+        how many ran."""
+        n = 0
+        while self.later and (all_ or self.pending() == 0):
+            with self.mem.exclusive():
+                if not self.later:
+                    break
+                key = next(iter(self.later))
+                p, w, new = self.later.pop(key)
+                self._finish(p, w, new, None)
+            n += 1
+        return n

@@ -1,6 +1,9 @@
-"""The model worker: model work runs on one thread, in arrival order, with a bounded wait queue
-(more requests than `queue_size` get 429 with Retry-After). Streamed work sends its text deltas
-to the client as server-sent events while it runs."""
+"""The model worker: requests run on `batch` threads (more than `queue_size` admitted get 429 with
+Retry-After); their model work is ordered by the Memory's lock, and their decoding is batched: the
+sequences of every request in flight decode together in one loop (kvmemory.batching.Batcher), so a
+request prepares its window (restore, graft, prefill) while others decode. batch=1: one request
+at a time, decoded alone (no batcher). Streamed work sends its text deltas to the client as
+server-sent events while it runs."""
 
 from __future__ import annotations
 
@@ -13,8 +16,17 @@ from kvmemory.server.errors import ApiError
 
 
 class Worker:
-    def __init__(self, queue_size: int) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmemory-model")
+    def __init__(self, queue_size: int, mem=None, batch: int = 1) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self.batcher = None
+        init = None
+        if batch > 1 and mem is not None:
+            from kvmemory.batching import Batcher, serving
+            self.batcher = Batcher(mem.model, mem.exclusive(), max_batch=batch)
+            init = lambda: serving(self.batcher)        # noqa: E731
+        self.pool = ThreadPoolExecutor(max_workers=batch if self.batcher is not None else 1,
+                                       thread_name_prefix="kvmemory-model", initializer=init)
         self.queue_size = queue_size
         self.pending = 0
         self.lock = threading.Lock()
@@ -26,6 +38,10 @@ class Worker:
                                     "retry shortly", type_="rate_limit_error", code="queue_full",
                                headers={"Retry-After": "1"})
             self.pending += 1
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
 
     def release(self) -> None:
         with self.lock:

@@ -22,13 +22,16 @@ async def get_session(session_id: str, c: Context = Depends(ctx)):
 
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
 async def delete_session(session_id: str, c: Context = Depends(ctx)):
-    s = c.sessions.data.get(check_id(session_id, "session_id"))
-    if s is None:
+    check_id(session_id, "session_id")
+    job = c.chat.take(session_id)          # a turn whose save was deferred (busy server): never saved now
+    s = c.sessions.data.get(session_id)
+    if s is None and job is None:
         raise not_found("session", session_id, "session_id")
+    states = (s["states"] if s is not None else []) + (list(job[1].states) if job is not None else [])
     prefix, mem = session_prefix(session_id), c.mem
 
     def forget():
-        mem.forget_states(s["states"])
+        mem.forget_states(states)
         # stores written before session memory kept a session's older turns as shared documents
         gone = [d for d in mem.require_store().manifest.docs if d.startswith(prefix)]
         for d in gone:
@@ -36,4 +39,4 @@ async def delete_session(session_id: str, c: Context = Depends(ctx)):
         return len(gone) + session_memory(mem, session_id).forget().turns
     n_docs = await c.worker.run(forget)
     c.sessions.forget(session_id)          # last: a crash before it leaves a record to forget again
-    return SessionDeleted(id=session_id, deleted=True, states=len(s["states"]), documents=n_docs)
+    return SessionDeleted(id=session_id, deleted=True, states=len(states), documents=n_docs)

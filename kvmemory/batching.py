@@ -1,0 +1,218 @@
+"""Continuous batching of decode steps: the sequences of every request in flight decode together,
+one forward a step for all of them, each over its own window.
+
+A request thread prepares its window as today (restore, graft, prefill: the canonical, unbatched
+computation, so every stored block and state keeps its bytes), then calls `greedy`
+(kvmemory.decode); on a thread that serves through a Batcher (`serving`), greedy hands the
+sequence to the batcher's loop and waits, releasing the Memory's lock meanwhile, so other requests
+prepare or decode in between. The loop admits new sequences between steps and lets finished ones
+go (continuous batching), so a long reply does not hold a short one back.
+
+One step for B sequences: the token embeddings, every Linear, norm and MLP run over the B rows at
+once; attention runs per sequence over its own cache (windows of different lengths need no
+padding and no mask); each sequence's position is its own cache length, as in an unbatched
+forward. Sampling is per sequence (its own pick: greedy, temperature / top_p, its own seeded
+generator), and so are stop strings and cancellation (its on_token callback).
+
+Exactness: a step of one sequence is the model's own forward, bit for bit. With several, each row
+of a Linear is reduced by a kernel chosen for B rows, which may round differently in the last bits
+than one row alone, so a greedy reply may differ from the same request served alone where two
+tokens are nearly tied (measured: tests/test_batching.py, benchmarks/bench_serve.py, README).
+Models other than the Llama family decode one sequence after another in the same loop."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from kvmemory.device import ids_tensor
+
+_local = threading.local()
+
+
+def current():
+    """The Batcher serving this thread's decoding, or None."""
+    return getattr(_local, "batcher", None)
+
+
+def serving(batcher) -> None:
+    """Make this thread's greedy() decode through `batcher` (None: decode alone again)."""
+    _local.batcher = batcher
+
+
+class _Seq:
+    __slots__ = ("cache", "logits", "max_new", "eos", "on_token", "pick", "new", "next", "error", "done")
+
+    def __init__(self, cache, logits, max_new, eos, on_token, pick) -> None:
+        self.cache, self.logits, self.max_new, self.eos = cache, logits, max_new, eos
+        self.on_token, self.pick = on_token, pick
+        self.new: list[int] = []
+        self.next: int | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def push(self, logits: torch.Tensor) -> bool:
+        """Choose the next token from `logits`; True when it needs a forward (greedy()'s rules)."""
+        nxt = self.pick(logits)
+        if nxt in self.eos or len(self.new) >= self.max_new:
+            return False
+        self.new.append(nxt)
+        if self.on_token is not None and self.on_token(self.new):
+            return False
+        if len(self.new) == self.max_new:
+            return False
+        self.next = nxt
+        return True
+
+
+def llama_like(model) -> bool:
+    """Whether the batched step knows this model's layers (Llama, SmolLM, Qwen2-style decoders)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return False
+    a, l0 = getattr(layers[0], "self_attn", None), layers[0]
+    return (a is not None and all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+            and all(hasattr(l0, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
+            and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
+
+
+@torch.inference_mode()
+def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
+    """One decode step: token i appended to caches[i] (each extended in place); -> the next logits
+    [vocab] of each. One sequence: the model's own forward."""
+    if len(caches) == 1 or not llama_like(model):
+        out = []
+        for c, t in zip(caches, tokens):
+            out.append(model(input_ids=ids_tensor([t], model), past_key_values=c, use_cache=True).logits[0, -1])
+        return out
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+    inner, B = model.model, len(caches)
+    dev = model.device
+    ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=dev)
+    pos = torch.tensor([[c.get_seq_length()] for c in caches], dtype=torch.long, device=dev)
+    x = inner.embed_tokens(ids)                                             # [B, 1, hidden]
+    cos, sin = inner.rotary_emb(x, pos)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager_attention_forward)
+    for i, layer in enumerate(inner.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (B, 1, -1, a.head_dim)
+        q = a.q_proj(h).view(shape).transpose(1, 2)                         # [B, Hq, 1, D]
+        k = a.k_proj(h).view(shape).transpose(1, 2)
+        v = a.v_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for b, c in enumerate(caches):
+            kb, vb = c.update(k[b:b + 1], v[b:b + 1], i)
+            o, _ = attend(a, q[b:b + 1], kb, vb, None, dropout=0.0, scaling=a.scaling)
+            outs.append(o)                                                  # [1, 1, Hq, D]
+        o = torch.cat(outs).reshape(B, 1, -1).contiguous()
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.lm_head(inner.norm(x))                                   # [B, 1, vocab]
+    return [logits[b, -1] for b in range(B)]
+
+
+class Batcher:
+    """One decode loop for `model`: sequences from any thread decode together, at most max_batch at
+    a step (the rest wait for a place). `lock` (the Memory's) is held for each step and released by
+    a thread while it waits for its sequence."""
+
+    def __init__(self, model, lock, max_batch: int = 8) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.lock, self.max_batch = model, lock, max_batch
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+        self.steps = 0
+        self.rows = 0                     # sequences x steps: rows / steps is the mean batch
+        self.widest = 0
+
+    def decode(self, cache, logits, max_new_tokens: int, eos, on_token=None, pick=None) -> list[int]:
+        """greedy()'s contract, decoded in the shared loop; blocks until this sequence is done."""
+        seq = _Seq(cache, logits, max_new_tokens, eos, on_token, pick or (lambda x: int(x.argmax())))
+        self._ensure()
+        held = self.lock._release_save() if self.lock._is_owned() else None
+        try:
+            self._q.put(seq)
+            seq.done.wait()
+        finally:
+            if held is not None:
+                self.lock._acquire_restore(held)
+        if seq.error is not None:
+            raise seq.error
+        return seq.new
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _ensure(self) -> None:
+        with self._start:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="kvmemory-decode", daemon=True)
+                self._thread.start()
+
+    def _admit(self, seq, active: list) -> None:
+        try:
+            needs = seq.push(seq.logits)
+        except BaseException as e:        # noqa: BLE001 -- the request's own callback failed
+            seq.error = e
+            needs = False
+        seq.logits = None
+        if needs:
+            active.append(seq)
+        else:
+            seq.done.set()
+
+    def _loop(self) -> None:
+        active: list[_Seq] = []
+        waiting: list[_Seq] = []
+        while True:
+            try:
+                block = not active and not waiting
+                while True:
+                    item = self._q.get(block=block)
+                    if item is None:
+                        for s in active + waiting:
+                            s.error = RuntimeError("the decoder was closed")
+                            s.done.set()
+                        return
+                    waiting.append(item)
+                    block = False
+            except queue.Empty:
+                pass
+            while waiting and len(active) < self.max_batch:
+                self._admit(waiting.pop(0), active)
+            if not active:
+                continue
+            try:
+                with self.lock:
+                    out = step(self.model, [s.cache for s in active], [s.next for s in active])
+            except BaseException as e:    # noqa: BLE001 -- every sequence of the step learns it
+                for s in active:
+                    s.error = e
+                    s.done.set()
+                active = []
+                continue
+            self.steps += 1
+            self.rows += len(active)
+            self.widest = max(self.widest, len(active))
+            still = []
+            for s, lg in zip(active, out):
+                try:
+                    go = s.push(lg)
+                except BaseException as e:  # noqa: BLE001
+                    s.error, go = e, False
+                if go:
+                    still.append(s)
+                else:
+                    s.done.set()
+            active = still

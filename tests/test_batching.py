@@ -1,0 +1,347 @@
+"""Continuous batching (kvmemory/batching.py): one decode step for several sequences, each over its
+own cache, against the same sequences decoded alone; the Batcher's loop with sequences from
+several threads joining and leaving, stop callbacks, cancellation and seeded sampling; and the
+server with several requests in flight (the official openai client against a live uvicorn)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvmemory import kv as kvops
+from kvmemory.batching import Batcher, llama_like, serving, step
+from kvmemory.decode import greedy, sampler
+
+
+def _prefill(model, ids):
+    cache = kvops.make_cache(None, model.config)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1]
+
+
+def _prompts(rng, n, lo=3, hi=40, vocab=2000):
+    return [[rng.randrange(5, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_a_batched_step_is_each_sequence_decoded_alone(tiny, rng):
+    model, _ = tiny
+    assert llama_like(model)
+    prompts = _prompts(rng, 5)
+    alone, batched = [], []
+    for p in prompts:
+        c, lg = _prefill(model, p)
+        t = int(lg.argmax())
+        with torch.inference_mode():
+            alone.append(model(input_ids=torch.tensor([[t]]), past_key_values=c, use_cache=True).logits[0, -1])
+    pairs = [_prefill(model, p) for p in prompts]
+    caches = [c for c, _ in pairs]
+    out = step(model, caches, [int(lg.argmax()) for _, lg in pairs])
+    for a, b, c, p in zip(alone, out, caches, prompts):
+        assert c.get_seq_length() == len(p) + 1              # each cache grew by its own token
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # one sequence: the model's own forward, bit for bit
+    c, lg = _prefill(model, prompts[0])
+    assert torch.equal(step(model, [c], [int(lg.argmax())])[0], alone[0])
+
+
+def _run_threads(batcher, jobs):
+    """jobs: [(cache, logits, max_new, on_token, pick)] decoded from one thread each -> replies."""
+    out = [None] * len(jobs)
+    lock = batcher.lock
+    start = threading.Barrier(len(jobs))
+
+    def run(i, job):
+        serving(batcher)
+        start.wait()
+        with lock:                                           # as a request holds the Memory's lock
+            out[i] = greedy(batcher.model, job[0], job[1], job[2], {0}, on_token=job[3], pick=job[4])
+    ts = [threading.Thread(target=run, args=(i, j)) for i, j in enumerate(jobs)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    return out
+
+
+def test_sequences_from_many_threads_decode_together_as_they_would_alone(tiny, rng):
+    model, _ = tiny
+    prompts = _prompts(rng, 6)
+    lengths = [rng.randrange(1, 30) for _ in prompts]
+    alone = []
+    for p, n in zip(prompts, lengths):
+        c, lg = _prefill(model, p)
+        alone.append(greedy(model, c, lg, n, {0}))
+    b = Batcher(model, threading.RLock(), max_batch=4)
+    try:
+        got = _run_threads(b, [(*_prefill(model, p), n, None, None) for p, n in zip(prompts, lengths)])
+        assert b.widest > 1 and b.rows > b.steps                   # several decoded in one step
+        assert b.widest <= 4                                       # never more than max_batch
+        assert [len(g) for g in got] == [len(a) for a in alone]
+        same = sum(g == a for g, a in zip(got, alone))
+        assert same >= len(prompts) - 1, (got, alone)            # greedy replies unchanged (ties aside)
+    finally:
+        b.close()
+
+
+def test_a_stop_or_cancel_ends_one_sequence_and_not_the_others(tiny, rng):
+    model, _ = tiny
+    prompts = _prompts(rng, 3)
+    b = Batcher(model, threading.RLock(), max_batch=8)
+    seen = []
+    try:
+        cancel_at_3 = lambda ids: len(ids) >= 3                  # noqa: E731 -- a client that went away
+        def fails(ids):
+            if len(ids) == 2:
+                raise ValueError("callback broke")
+            return False
+        jobs = [(*_prefill(model, prompts[0]), 40, cancel_at_3, None),
+                (*_prefill(model, prompts[1]), 25, lambda ids: seen.append(len(ids)) and False, None),
+                (*_prefill(model, prompts[2]), 40, fails, None)]
+        errors = []
+
+        def guarded(i, job, out):
+            serving(b)
+            try:
+                out[i] = greedy(model, job[0], job[1], job[2], {0}, on_token=job[3])
+            except ValueError as e:
+                errors.append(str(e))
+        out = [None] * 3
+        ts = [threading.Thread(target=guarded, args=(i, j, out)) for i, j in enumerate(jobs)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+        assert len(out[0]) == 3                                   # cancelled after its third token
+        assert len(out[1]) == 25 and seen == list(range(1, 26))  # every token reported, in order
+        assert errors == ["callback broke"] and out[2] is None   # its error reached its own caller
+    finally:
+        b.close()
+
+
+def test_seeded_sampling_in_a_batch_is_reproducible(tiny, rng):
+    model, _ = tiny
+    prompts = _prompts(rng, 4)
+
+    def once():
+        b = Batcher(model, threading.RLock(), max_batch=4)
+        try:
+            return _run_threads(b, [(*_prefill(model, p), 20, None, sampler(1.0, 0.9, seed=100 + i))
+                                    for i, p in enumerate(prompts)])
+        finally:
+            b.close()
+    first, second = once(), once()
+    assert first == second
+    assert len({tuple(x) for x in first}) > 1                      # each has its own generator
+
+
+def test_an_error_in_the_step_reaches_every_sequence_of_it(tiny, rng):
+    model, _ = tiny
+    b = Batcher(model, threading.RLock(), max_batch=4)
+    try:
+        c, lg = _prefill(model, _prompts(rng, 1)[0])
+        serving(b)
+        try:
+            # a cache of another geometry: the forward fails, the caller gets the error, the loop lives on
+            wrong = kvops.make_cache(torch.zeros((1, 2, 1, 3, 5)), model.config)
+            with pytest.raises(Exception):
+                greedy(model, wrong, lg, 5, {0})
+            assert len(greedy(model, c, lg, 5, set())) == 5
+        finally:
+            serving(None)
+    finally:
+        b.close()
+
+
+def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng):
+    """Several clients at once (the official openai client, plain and streamed, greedy and seeded,
+    with stop strings, one that goes away mid-stream): each gets what it gets served alone."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    import kvmemory
+    from kvmemory.server import create_app
+    from tests.test_server import _start, words
+
+    mem = kvmemory.Memory(tmp_path / "b.kvm", model=tiny)
+    app = create_app(mem, queue_size=16, batch=4)
+    srv, t, url = _start(app)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reqs = [dict(messages=[{"role": "user", "content": words(rng, rng.randrange(5, 60), f"q{i}")}],
+                     max_tokens=rng.randrange(20, 48), temperature=0 if i % 2 == 0 else 0.9,
+                     seed=None if i % 2 == 0 else 1000 + i, stream=i % 3 == 0) for i in range(6)]
+
+        def call(r):
+            if r["stream"]:
+                s = client.chat.completions.create(model=mem.model_name, **r)
+                return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+            return client.chat.completions.create(model=mem.model_name, **r).choices[0].message.content
+
+        alone = [call(r) for r in reqs]                              # one after another
+        assert app.state.worker.batcher.widest == 1
+        out = [None] * len(reqs)
+        gone = []
+
+        def run(i):
+            out[i] = call(reqs[i])
+
+        def leaver():                                                # a stream dropped after one chunk
+            with client.chat.completions.create(model=mem.model_name, stream=True, max_tokens=200,
+                                                messages=[{"role": "user", "content": words(rng, 30)}]) as s:
+                for _ in s:
+                    gone.append(1)
+                    break
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))] + [threading.Thread(target=leaver)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(timeout=300)
+        assert app.state.worker.batcher.widest > 1                  # they did decode together
+        same = sum(a == b for a, b in zip(out, alone))
+        assert same >= len(reqs) - 1, list(zip(out, alone))
+        assert gone == [1]
+        # stop strings cut the reply where they start, in a batch as alone
+        base = alone[0]
+        assert len(base) > 4
+        stop = base[2:5]
+        cut = client.chat.completions.create(model=mem.model_name, stop=[stop], **{k: v for k, v in reqs[0].items()
+                                                                                   if k != "stream"})
+        assert cut.choices[0].message.content == base[:base.find(stop)] and cut.choices[0].finish_reason == "stop"
+        deadline = time.time() + 30
+        while app.state.worker.pending and time.time() < deadline:
+            time.sleep(0.05)
+        assert app.state.worker.pending == 0                         # the leaver's slot came back
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
+
+
+def test_a_deposit_gives_way_to_a_question_between_blocks(tmp_path, tiny, rng):
+    """A long deposit on a thread that defers (as the server's deposit thread does): a prompt saved
+    meanwhile from another thread finishes while the deposit is still running, and the deposit's
+    blocks are the bytes of the same deposit run alone."""
+    import kvmemory
+    from tests.test_server import words
+    text = words(rng, 6000)
+    ref = kvmemory.Memory(tmp_path / "ref.kvm", model=tiny, segment_blocks=1)
+    ref.add(text, doc_id="long")
+    want = [bytes(b) for b in ref.store.block_meta(ref.store.manifest.docs["long"].rows)["block_id"]]
+    ref.close()
+
+    mem = kvmemory.Memory(tmp_path / "m.kvm", model=tiny, segment_blocks=1)
+    waiting = threading.Event()
+    started, done = threading.Event(), []
+
+    class Progress:
+        total = None
+
+        def refresh(self):
+            pass
+
+        def update(self, n):
+            started.set()
+
+    def deposit():
+        mem.defer_to(waiting.is_set)
+        mem.add(text, doc_id="long", progress=Progress())
+        done.append(time.monotonic())
+    t = threading.Thread(target=deposit)
+    t.start()
+    assert started.wait(60)
+    waiting.set()
+    st = mem.save(words(rng, 40), label="meanwhile")
+    saved_at = time.monotonic()
+    waiting.clear()
+    t.join(timeout=300)
+    assert done and saved_at < done[0]                      # the question did not wait for the document
+    assert st.n_tokens > 0
+    got = [bytes(b) for b in mem.store.block_meta(mem.store.manifest.docs["long"].rows)["block_id"]]
+    assert got == want                                      # paused or not: the same blocks
+    mem.close()
+
+
+def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_path, tiny, rng):
+    """Under load the save of a session's conversation with its reply is deferred: folded into the
+    session's next turn (whose prompt holds the reply), or run once the server is idle, or at
+    shutdown. The replies are those of a server that saves every reply at once."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import kvmemory
+    from kvmemory.server import create_app
+    from tests.test_server import _start, words
+
+    system = {"role": "system", "content": words(rng, 80, "Be brief.")}
+    asks = [words(rng, 12, f"turn{i}") for i in range(3)]
+
+    def conversation(app, url, busy):
+        c = app.state.ctx.chat
+        real = c.pending
+        history, replies, deferred = [system], [], []
+        for i, a in enumerate(asks):
+            history.append({"role": "user", "content": a})
+            c.pending = (lambda: 2) if busy else real            # another request waiting, or none
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "kvmemory", "messages": history, "temperature": 0, "max_tokens": 12,
+                "prompt_cache_key": "s1"}).json()
+            deferred.append(len(c.later))
+            replies.append(r["choices"][0]["message"]["content"])
+            history.append({"role": "assistant", "content": replies[-1]})
+        return replies, deferred, history, real
+
+    m1 = kvmemory.Memory(tmp_path / "eager.kvm", model=tiny)
+    app1 = create_app(m1)
+    srv, t, url = _start(app1)
+    try:
+        want, none_deferred, _, _ = conversation(app1, url, busy=False)
+        assert none_deferred == [0, 0, 0]
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        m1.close()
+
+    m2 = kvmemory.Memory(tmp_path / "busy.kvm", model=tiny)
+    app2 = create_app(m2)
+    srv, t, url = _start(app2)
+    try:
+        got, deferred, history, real = conversation(app2, url, busy=True)
+        assert got == want                                        # the same replies
+        assert deferred == [1, 1, 1]                              # each turn's save waits (one a session)
+        rec = httpx.get(url + "/v1/sessions/s1").json()
+        assert rec["turns"] == 2                                  # two folded into their next turn
+        ids = app2.state.ctx.chat.ids(history[:-1])
+        assert max(s.n_tokens for s in m2.states()) < len(ids)    # the last reply is not saved yet
+        app2.state.ctx.chat.pending = real                        # the server is idle again
+        deadline = time.time() + 30
+        while app2.state.ctx.chat.later and time.time() < deadline:   # idle: the flusher saves it
+            time.sleep(0.05)
+        assert not app2.state.ctx.chat.later
+        assert httpx.get(url + "/v1/sessions/s1").json()["turns"] == 3
+        assert max(s.n_tokens for s in m2.states()) >= len(ids)   # the last reply's conversation is stored
+        # deferred at shutdown: saved before the server stops
+        history.append({"role": "user", "content": words(rng, 12, "last")})
+        app2.state.ctx.chat.pending = lambda: 2
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "kvmemory", "messages": history, "temperature": 0, "max_tokens": 12,
+            "prompt_cache_key": "s1"}).json()
+        assert len(app2.state.ctx.chat.later) == 1
+        final = app2.state.ctx.chat.ids(history) + []
+        # a session forgotten while its first turn's save waits: gone, and not brought back later
+        httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "kvmemory", "messages": [system, {"role": "user", "content": "hello"}], "max_tokens": 4,
+            "prompt_cache_key": "s2"})
+        assert "s2" in app2.state.ctx.chat.later
+        d = httpx.delete(url + "/v1/sessions/s2").json()
+        assert d["deleted"] is True and d["states"] >= 1
+        assert "s2" not in app2.state.ctx.chat.later
+        assert httpx.get(url + "/v1/sessions/s2").status_code == 404
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+    assert not app2.state.ctx.chat.later
+    assert max(s.n_tokens for s in m2.states()) > len(final)      # prompt + reply
+    assert r["usage"]["completion_tokens"] > 0
+    m2.close()
