@@ -1,12 +1,17 @@
 """`kvmemory serve` under load: N concurrent clients mixing chat turns and asks for a fixed time.
 
 A real uvicorn on 127.0.0.1 with the real default model; clients are httpx async clients. For each
-concurrency (default 1, 8, 32): requests/s, p50/p99 latency, status counts (429 is the bounded
-queue saying "busy"; anything else non-200 is an error). Then TTFT (time to the first streamed
-token) of a ~4K-token conversation recomputed (a new conversation) vs restored (the same
-conversation again: its prefix comes back from the store).
+server setting of --batch (requests in flight, decoded together; 1 is one request at a time) and
+each concurrency (default 1, 8, 32): requests/s, p50/p99 latency, TTFT, status counts (429 is the
+bounded queue saying "busy"; anything else non-200 is an error). Then, on the last setting:
 
-    python benchmarks/bench_serve.py --seconds 60 --clients 1,8,32
+- greedy replies under batching: --differ fresh conversations served one after another, then all
+  at once; the share whose reply differs (batched Linear rows may round differently in the last bits)
+- TTFT of an ask while a document of --deposit-tokens is being deposited, against the same asks idle
+- TTFT of a ~4K-token conversation recomputed (a new conversation) vs restored (the same
+  conversation again: its prefix comes back from the store)
+
+    python benchmarks/bench_serve.py --seconds 60 --clients 1,8,32 --batch 1,8
 """
 
 import argparse
@@ -30,11 +35,11 @@ def text(rng, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def start(mem, queue_size: int):
+def start(mem, queue_size: int, batch: int = 8):
     import uvicorn
 
     from kvmemory.server import create_app
-    app = create_app(mem, queue_size=queue_size)
+    app = create_app(mem, queue_size=queue_size, batch=batch)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -103,10 +108,79 @@ def ttft(url: str, model: str, messages: list) -> tuple[float, int]:
     return (first if first is not None else time.perf_counter() - t), cached
 
 
+def ask_ttft(url: str, question: str) -> float:
+    """Seconds to the first streamed delta of POST /v1/ask."""
+    import httpx
+    t = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/ask", timeout=900, json={"question": question, "max_new_tokens": 8,
+                                                                   "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and '"delta"' in line:
+                return time.perf_counter() - t
+    return time.perf_counter() - t
+
+
+def chat_reply(url: str, model: str, messages: list, max_tokens: int) -> str:
+    import httpx
+    while True:
+        r = httpx.post(url + "/v1/chat/completions", timeout=900, json={
+            "model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens})
+        if r.status_code != 429:
+            break
+        time.sleep(float(r.headers.get("retry-after", "1")))
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def differ(url: str, model: str, n: int, rng: random.Random) -> dict:
+    """n fresh conversations, greedy: served one after another, then all at once (a 429 is retried)."""
+    convs = [[{"role": "system", "content": "You are brief. " + text(rng, rng.randrange(10, 60))},
+              {"role": "user", "content": text(rng, rng.randrange(5, 20)) + "?"}] for _ in range(n)]
+    alone = [chat_reply(url, model, c, 24) for c in convs]
+    together = [None] * n
+
+    def run(i):
+        together[i] = chat_reply(url, model, convs[i], 24)
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    diff = [i for i in range(n) if alone[i] != together[i]]
+    return {"conversations": n, "differ": len(diff), "share": len(diff) / n,
+            "examples": [{"alone": alone[i], "batched": together[i]} for i in diff[:3]]}
+
+
+def during_deposit(url: str, tokens: int, rng: random.Random, idle_n: int = 5) -> dict:
+    """TTFT of asks idle, then while a document of ~`tokens` tokens is deposited."""
+    import httpx
+    qs = lambda: f"What does the {rng.choice(WORDS)} of pier {rng.randrange(150)} do?"   # noqa: E731
+    idle = [ask_ttft(url, qs()) for _ in range(idle_n)]
+    doc = ". ".join(text(rng, 12) for _ in range(tokens // 14))
+    job = httpx.post(url + "/v1/documents", json={"text": doc, "doc_id": "long-deposit"}, timeout=60).json()
+    t0, busy = time.perf_counter(), []
+    while True:
+        st = httpx.get(url + f"/v1/jobs/{job['job_id']}", timeout=60).json()
+        if st["status"] in ("done", "failed"):
+            break
+        if st["status"] == "running" and st["progress"]["tokens_done"] > 0:
+            busy.append(ask_ttft(url, qs()))
+        else:
+            time.sleep(0.1)
+    return {"deposit_tokens": st["progress"]["tokens_total"], "deposit_s": time.perf_counter() - t0,
+            "status": st["status"], "idle_ttft_s": idle, "during_ttft_s": busy,
+            "idle_p50_s": statistics.median(idle), "during_p50_s": statistics.median(busy) if busy else None,
+            "during_max_s": max(busy) if busy else None,
+            "ratio_p50": statistics.median(busy) / statistics.median(idle) if busy else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--batch", default="1,8", help="server settings to compare: requests decoded together")
+    ap.add_argument("--differ", type=int, default=24, help="conversations for the batched-vs-alone check (0: skip)")
+    ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
     ap.add_argument("--queue", type=int, default=16)
     ap.add_argument("--seed", type=int, default=None)
@@ -116,54 +190,82 @@ def main() -> int:
     rng = random.Random(seed)
     import kvmemory
     from benchmarks.machine import describe
-    with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
-        mem = kvmemory.Memory(Path(tmp) / "s.kvm")
-        mem.add(". ".join(f"The {rng.choice(WORDS)} of pier {i} is kept by {rng.choice(WORDS)}" for i in range(150)),
-                doc_id="harbour")
-        srv, t, url = start(mem, args.queue)
-        rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, rng)) for c in args.clients.split(",")]
-        for r in rows:
-            print(f"  {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, status {r['status']}",
-                  file=sys.stderr)
-        # TTFT: a conversation of ~N tokens, recomputed (new) then restored (the same again)
-        convo = [{"role": "system", "content": text(rng, int(args.conversation_tokens * 0.9))},
-                 {"role": "user", "content": "Summarise the log in one line."}]
-        recomputed, c0 = ttft(url, mem.model_name, convo)
-        restored, c1 = ttft(url, mem.model_name, convo)
-        srv.should_exit = True
-        t.join(timeout=30)
-        n_tokens = len(mem.tokenizer.apply_chat_template(convo, tokenize=True, add_generation_prompt=True,
-                                                         return_dict=False))
-        mem.close()
+    harbour = ". ".join(f"The {rng.choice(WORDS)} of pier {i} is kept by {rng.choice(WORDS)}" for i in range(150))
+    settings, extra = [], {}
+    batches = [int(b) for b in args.batch.split(",")]
+    for bi, batch in enumerate(batches):
+        with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
+            mem = kvmemory.Memory(Path(tmp) / "s.kvm")
+            mem.add(harbour, doc_id="harbour")
+            srv, t, url = start(mem, args.queue, batch)
+            level_seed = rng.randrange(2**31)          # the same clients and requests for every setting
+            rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
+                    for c in args.clients.split(",")]
+            batcher = srv.config.app.state.worker.batcher
+            for r in rows:
+                print(f"  batch {batch}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
+                      f"status {r['status']}", file=sys.stderr)
+            settings.append({"batch": batch, "rows": rows, "mean_batch": batcher.rows / batcher.steps
+                             if batcher is not None and batcher.steps else 1.0})
+            if bi == len(batches) - 1:
+                if args.differ:
+                    extra["differ"] = differ(url, mem.model_name, args.differ, rng)
+                if args.deposit_tokens:
+                    extra["during_deposit"] = during_deposit(url, args.deposit_tokens, rng)
+                # TTFT: a conversation of ~N tokens, recomputed (new) then restored (the same again)
+                convo = [{"role": "system", "content": text(rng, int(args.conversation_tokens * 0.9))},
+                         {"role": "user", "content": "Summarise the log in one line."}]
+                recomputed, c0 = ttft(url, mem.model_name, convo)
+                restored, c1 = ttft(url, mem.model_name, convo)
+                n_tokens = len(mem.tokenizer.apply_chat_template(convo, tokenize=True, add_generation_prompt=True,
+                                                                 return_dict=False))
+                extra["ttft"] = {"conversation_tokens": n_tokens, "recomputed_s": recomputed, "restored_s": restored,
+                                 "cached_tokens_restored": c1, "cached_tokens_recomputed": c0,
+                                 "speedup": recomputed / restored}
+            srv.should_exit = True
+            t.join(timeout=30)
+            mem.close()
     res = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
-           "seconds_per_level": args.seconds, "rows": rows,
-           "ttft": {"conversation_tokens": n_tokens, "recomputed_s": recomputed, "restored_s": restored,
-                    "cached_tokens_restored": c1, "cached_tokens_recomputed": c0,
-                    "speedup": recomputed / restored}}
+           "seconds_per_level": args.seconds, "settings": settings, **extra}
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    print("| clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} | "
-              f"{r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
-    tt = res["ttft"]
-    print(f"\nTTFT of a {tt['conversation_tokens']}-token conversation: recomputed {recomputed:.2f} s, restored "
-          f"{restored:.2f} s ({tt['speedup']:.0f}x; {c1} tokens restored)")
+    print("| batch | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
+    for st in settings:
+        for r in st["rows"]:
+            print(f"| {st['batch']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
+                  f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
+    if "differ" in res:
+        d = res["differ"]
+        print(f"\ngreedy replies batched vs alone: {d['differ']} of {d['conversations']} differ")
+    if "during_deposit" in res:
+        d = res["during_deposit"]
+        print(f"ask TTFT idle {d['idle_p50_s']:.3f} s, during a {d['deposit_tokens']}-token deposit "
+              f"{d['during_p50_s'] or 0:.3f} s median (max {d['during_max_s'] or 0:.3f}; {len(d['during_ttft_s'])} asks; "
+              f"x{d['ratio_p50'] or 0:.2f}); the deposit took {d['deposit_s']:.0f} s")
+    if "ttft" in res:
+        tt = res["ttft"]
+        print(f"TTFT of a {tt['conversation_tokens']}-token conversation: recomputed {tt['recomputed_s']:.2f} s, "
+              f"restored {tt['restored_s']:.2f} s ({tt['speedup']:.0f}x; {tt['cached_tokens_restored']} tokens restored)")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-        a.plot([r["clients"] for r in rows], [r["requests_per_s"] for r in rows], "o-")
+        for st in settings:
+            a.plot([r["clients"] for r in st["rows"]], [r["requests_per_s"] for r in st["rows"]], "o-",
+                   label=f"batch {st['batch']}")
         a.set(xlabel="concurrent clients", ylabel="requests/s", xscale="log", title="throughput")
-        b.bar(["recomputed", "restored"], [recomputed, restored])
-        b.set(ylabel="seconds", title=f"TTFT, {tt['conversation_tokens']}-token conversation")
+        a.legend()
+        if "during_deposit" in res:
+            d = res["during_deposit"]
+            b.boxplot([d["idle_ttft_s"], d["during_ttft_s"] or [0]], tick_labels=["idle", "during deposit"])
+            b.set(ylabel="seconds", title="ask TTFT")
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
     except ImportError:
         pass
-    return 1 if any(r["errors"] for r in rows) else 0
+    return 1 if any(r["errors"] for st in settings for r in st["rows"]) else 0
 
 
 if __name__ == "__main__":
