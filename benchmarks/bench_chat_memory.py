@@ -16,6 +16,9 @@ Side by side on the same questions (one run, one machine):
     none       no memory: the question alone
     text       the same recalled turns quoted as text in the system message (text memory)
     kv         the recalled turns grafted as KV after the conversation's exact prefix (kvmemory)
+    kv-end     A/B of the KV window: the recalled turns closed with <|im_end|> (2 tokens prefilled)
+    kv-head    ... with their prelude grafted before them (a user message of their own) and closed
+    kv-head0   ... with their prelude grafted, not closed
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -240,9 +243,22 @@ def run(args) -> dict:
             "summary": summarize(rows, conds)}
 
 
+# A/B of what surrounds the recalled turns in a KV window (name: (graft their prelude, text after them))
+KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\n"), "kv-head0": (True, "")}
+
+
 def answer(mem, cm, u, q, msgs, c, args):
     """(answer, stats) of question q under condition c, or (None, None) where it does not apply."""
     from kvmemory.chat_memory.window import QUOTE_HEAD
+    if c in KV_VARIANTS:                               # the same recall, another window around it
+        head, foot = KV_VARIANTS[c]
+        saved = cm.graft_head, cm.foot_text
+        cm.graft_head, cm.foot_text = head, foot
+        try:
+            return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_="kv", k=args.k,
+                            remember=False)
+        finally:
+            cm.graft_head, cm.foot_text = saved
     if c in ("none", "text", "kv"):
         return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=c, k=args.k, remember=False)
     if c == "full":
@@ -305,7 +321,7 @@ def table(res: dict) -> str:
             continue
         a = v["accuracy"]
         cell = lambda k: f"{a[k]['correct']}/{a[k]['n']}"          # noqa: E731
-        ev = "" if v["evidence_recall"] is None or c not in ("text", "kv") else f"{v['evidence_recall']:.2f}"
+        ev = "" if v["evidence_recall"] is None or not (c == "text" or c.startswith("kv")) else f"{v['evidence_recall']:.2f}"
         lines.append(f"| {c} | {cell('all')} ({a['all']['accuracy']:.2f} [{a['all']['ci95'][0]:.2f}, "
                      f"{a['all']['ci95'][1]:.2f}]) | " + " | ".join(cell(k) for k in kinds) +
                      f" | {ev} | {v['ttft_median_s']:.3f} s | {v['prefilled_mean']:.0f} | "

@@ -119,6 +119,9 @@ class ChatMemory:
             # grafted alone, right after the conversation
             head, _ = prompts.split_at(mem.tokenizer, f"{NOTE} (memory {self.key}).", mark, mark)
             self.foot_text = ""
+        # what sits around the recalled turns in a window: the prelude they were computed behind,
+        # grafted as KV with them (no prefill), and a text prefilled after them
+        self.graft_head = self.layout == "system"
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"kvmemory:chat-memory:{self.key}", head=head)
 

@@ -104,7 +104,7 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
     # turn was computed behind), grafted with the turns, so each turn keeps its relative position
     # to it; the message's end and the new message are all that is prefilled
     head = []
-    if cm.layout == "system":
+    if cm.graft_head:
         _, last = cm.docs._prelude_state()
         head = mem.require_store().chain(last)
     foot = (mem.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
