@@ -345,3 +345,36 @@ def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_pa
     assert max(s.n_tokens for s in m2.states()) > len(final)      # prompt + reply
     assert r["usage"]["completion_tokens"] > 0
     m2.close()
+
+
+def test_the_real_model_decodes_the_same_greedy_replies_batched(real_model, rng):
+    """The default model: six prompts of real text decoded together, as they would be alone."""
+    model, tok = real_model
+    topics = ["the harbour at dawn", "a recipe for bread", "why the sky is blue", "the rules of chess",
+              "a letter to a friend", "the history of maps", "how bees make honey", "a trip to the mountains"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write two sentences about {t}."}],
+                                       tokenize=True, add_generation_prompt=True, return_dict=False)
+               for t in rng.sample(topics, 6)]
+    alone = []
+    for p in prompts:
+        c, lg = _prefill(model, p)
+        alone.append(greedy(model, c, lg, 24, {tok.eos_token_id}))
+    b = Batcher(model, threading.RLock(), max_batch=6)
+    try:
+        out = [None] * len(prompts)
+        start = threading.Barrier(len(prompts))
+
+        def run(i, p):
+            serving(b)
+            c, lg = _prefill(model, p)
+            start.wait()
+            out[i] = greedy(model, c, lg, 24, {tok.eos_token_id})
+        ts = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=300)
+        assert b.widest > 1
+        assert sum(o == a for o, a in zip(out, alone)) >= len(prompts) - 1, [tok.decode(x) for x in out + alone]
+    finally:
+        b.close()
