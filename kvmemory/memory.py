@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 
 import torch
 
@@ -161,7 +162,6 @@ class Memory:
         busy = self._busy
         if busy is None or self._deferring != threading.get_ident() or not busy() or not self._lock._is_owned():
             return 0.0
-        import time
         t0 = time.monotonic()
         held = self._lock._release_save()
         try:
