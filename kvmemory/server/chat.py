@@ -190,7 +190,8 @@ class ChatService:
                 if not self.later:
                     break
                 key = next(iter(self.later))
-                p, w, new = self.later.pop(key)
+                p, w, new = self.later[key]
                 self._finish(p, w, new, None)
+                self.later.pop(key, None)         # last: while it is listed, its save is not done
             n += 1
         return n
