@@ -182,11 +182,19 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng):
 
         alone = [call(r) for r in reqs]                              # one after another
         assert app.state.worker.batcher.widest == 1
+        base = alone[0]
+        assert len(base) > 4
+        stop = base[2:5]
+        stop_req = {k: v for k, v in reqs[0].items() if k != "stream"}
+        cut = []
         out = [None] * len(reqs)
         gone = []
 
         def run(i):
             out[i] = call(reqs[i])
+
+        def stopper():                                               # a stop string, among the others
+            cut.append(client.chat.completions.create(model=mem.model_name, stop=[stop], **stop_req))
 
         def leaver():                                                # a stream dropped after one chunk
             with client.chat.completions.create(model=mem.model_name, stream=True, max_tokens=200,
@@ -194,7 +202,8 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng):
                 for _ in s:
                     gone.append(1)
                     break
-        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))] + [threading.Thread(target=leaver)]
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))] + [threading.Thread(target=leaver),
+                                                                                   threading.Thread(target=stopper)]
         for th in ts:
             th.start()
         for th in ts:
@@ -203,13 +212,9 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng):
         same = sum(a == b for a, b in zip(out, alone))
         assert same >= len(reqs) - 1, list(zip(out, alone))
         assert gone == [1]
-        # stop strings cut the reply where they start, in a batch as alone
-        base = alone[0]
-        assert len(base) > 4
-        stop = base[2:5]
-        cut = client.chat.completions.create(model=mem.model_name, stop=[stop], **{k: v for k, v in reqs[0].items()
-                                                                                   if k != "stream"})
-        assert cut.choices[0].message.content == base[:base.find(stop)] and cut.choices[0].finish_reason == "stop"
+        # the stop string cut its reply where it starts, in the batch as alone
+        assert cut[0].choices[0].message.content == base[:base.find(stop)]
+        assert cut[0].choices[0].finish_reason == "stop"
         deadline = time.time() + 30
         while app.state.worker.pending and time.time() < deadline:
             time.sleep(0.05)
