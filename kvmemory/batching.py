@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +36,18 @@ _local = threading.local()
 def current():
     """The Batcher serving this thread's decoding, or None."""
     return getattr(_local, "batcher", None)
+
+
+@contextmanager
+def let_go(lock):
+    """This thread's hold on an RLock (at any depth) released for the block and taken back as it
+    was after (what threading.Condition does while it waits): others run model work meanwhile."""
+    held = lock._release_save() if lock._is_owned() else None
+    try:
+        yield
+    finally:
+        if held is not None:
+            lock._acquire_restore(held)
 
 
 def serving(batcher) -> None:
@@ -137,13 +150,9 @@ class Batcher:
         """greedy()'s contract, decoded in the shared loop; blocks until this sequence is done."""
         seq = _Seq(cache, logits, max_new_tokens, eos, on_token, pick or (lambda x: int(x.argmax())))
         self._ensure()
-        held = self.lock._release_save() if self.lock._is_owned() else None
-        try:
+        with let_go(self.lock):
             self._q.put(seq)
             seq.done.wait()
-        finally:
-            if held is not None:
-                self.lock._acquire_restore(held)
         if seq.error is not None:
             raise seq.error
         return seq.new

@@ -162,13 +162,11 @@ class Memory:
         busy = self._busy
         if busy is None or self._deferring != threading.get_ident() or not busy() or not self._lock._is_owned():
             return 0.0
+        from kvmemory.batching import let_go
         t0 = time.monotonic()
-        held = self._lock._release_save()
-        try:
+        with let_go(self._lock):
             while busy() and time.monotonic() - t0 < MAKE_WAY_S:
                 time.sleep(0.005)
-        finally:
-            self._lock._acquire_restore(held)
         return time.monotonic() - t0
 
     def forget_blocks(self, rows) -> None:
