@@ -128,7 +128,6 @@ class Documents:
         self._checked: dict[str, int] = {}          # index kind -> manifest commit it was validated at
         self._live: tuple[int, dict] = (-1, {})
         self._file_ident: dict[str, tuple] = {}    # index kind -> (inode, mtime, size) of the file we hold
-        self.own_chains: dict[tuple[str, int], list[int]] = {}   # a user's scope: (state, last row) -> its rows
 
     # ------------------------------------------------------------------ indexes
     @property

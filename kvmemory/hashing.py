@@ -3,6 +3,12 @@
 A block's id names what determines its KV bytes: hash(fingerprint, parent id, tokens,
 positions). Equal prefixes therefore share ids, and so share blocks on disk. A block's
 digest is a hash of the KV bytes themselves, checked on every read.
+
+A salted chain (an owner's states: one user's conversations) starts from the owner's root
+instead of ROOT_PARENT, so none of its ids can equal another owner's or an unsalted block's:
+the same prefix sent by another user is another block, never a cache hit (vLLM's cache_salt).
+The root is recorded with the chain's first row (the manifest's roots), so every id still
+re-derives from what the store holds.
 """
 
 from __future__ import annotations
@@ -15,6 +21,15 @@ import xxhash
 
 ID_BYTES = 16
 ROOT_PARENT = bytes(ID_BYTES)  # parent of a block at position 0
+
+
+def salt_root(salt: str) -> bytes:
+    """The parent id of the first block of a chain salted with `salt` (never ROOT_PARENT)."""
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("a salt is a non-empty string")
+    h = hashlib.blake2b(digest_size=ID_BYTES, person=b"kvmemory-salt")
+    h.update(salt.encode("utf-8"))
+    return h.digest()
 
 
 def block_id(fingerprint: str, parent: bytes, tokens: Sequence[int], positions: Sequence[int]) -> bytes:

@@ -328,16 +328,16 @@ class Memory:
         return self.states_room.tokenize(text_or_ids)
 
     @_locked
-    def save(self, text_or_ids, label: str = "", reuse=None, owner: str | None = None) -> State:
+    def save(self, text_or_ids, label: str = "", owner: str | None = None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
-        recomputed; reuse(row) -> bool, if given, limits that to the rows it accepts (a user's own:
-        another user's blocks are then recomputed, never a cache hit); owner, if given, keys the state's
-        id (a user's states are its own entries). The commit is atomic: a crash leaves the store at
-        its previous commit.
+        recomputed. owner, if given, salts the state's chain and keys its id: its blocks are the
+        owner's own, never found by another owner's equal prefix (no cache hit, no shorter commit)
+        and never finding theirs. The commit is atomic: a crash leaves the store at its previous
+        commit.
         """
-        return self.states_room.save(text_or_ids, label, reuse, owner)
+        return self.states_room.save(text_or_ids, label, owner)
 
     @_locked
     def resolve(self, state_id: str) -> str:

@@ -98,7 +98,7 @@ class States:
                 f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
                 "split it, or deposit it as a document")
 
-    def save(self, text_or_ids, label: str = "", reuse=None, owner: str | None = None) -> State:
+    def save(self, text_or_ids, label: str = "", owner: str | None = None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 
         Blocks already in the store (equal prefixes) are read back, verified, and not
@@ -108,11 +108,13 @@ class States:
         ids = self.tokenize(text_or_ids)
         self.check_window(len(ids), "the state")
         C = store.manifest.block_tokens
-        chain = hashing.chain_ids(self.fingerprint, ids, C)
+        # an owner's chain is salted: its ids are no other owner's, so another user's equal prefix is
+        # never found here (no cache hit, no shorter commit), only the owner's own blocks are
+        root = hashing.ROOT_PARENT if owner is None else hashing.salt_root(f"kvmemory-owner:{owner}")
+        chain = hashing.chain_ids(self.fingerprint, ids, C, parent=root)
         store.refresh()
         have = 0
-        while have < len(chain) and store.row_of(chain[have]) is not None and \
-                (reuse is None or reuse(store.row_of(chain[have]))):
+        while have < len(chain) and store.row_of(chain[have]) is not None:
             have += 1
         prefix = self.read_chain([store.row_of(b) for b in chain[:have]])
         computed: dict[int, torch.Tensor] = {}
@@ -128,7 +130,7 @@ class States:
             return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])
 
         def build(s):
-            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of)   # another writer may have committed some
+            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of, root)   # another writer may have committed some
             have = s.manifest.states.get(state_id)
             if not new and have is not None and (not label or have.label == label):
                 return Change()                      # already stored as asked: no commit
@@ -176,7 +178,8 @@ class States:
         for toks, n in zip(meta["tokens"], meta["n_tokens"]):
             ids.extend(int(t) for t in toks[:n])
         # the chain's ids are hashes of its tokens: a damaged token array cannot pass this
-        expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens)
+        expect = hashing.chain_ids(self.fingerprint, ids, store.manifest.block_tokens,
+                                   parent=store.manifest.root_of(rows[0]) if rows else hashing.ROOT_PARENT)
         if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
             raise StoreCorruptError(f"store {self.location}: state {sid}'s block ids do not match its tokens")
         return State(sid, ids, self.read_chain(rows), self.model.config, entry.label, self.model.device)

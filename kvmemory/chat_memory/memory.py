@@ -221,23 +221,6 @@ class ChatMemory:
         from kvmemory.chat_memory.window import reply
         return reply(self.mem, self, messages, session, max_new_tokens, as_, k, remember)
 
-    def own_rows(self) -> set[int]:
-        """Rows of this user's own states (its conversations): the only stored blocks its chats may
-        reuse, so that no other user's prefix is ever its cache hit."""
-        store = self.mem.require_store()
-        store.refresh()
-        mine = f"kvmemory:chat:{self.key}:"
-        live = {(sid, e.last_row) for sid, e in store.manifest.states.items() if e.label.startswith(mine)}
-        chains = self.docs.own_chains           # kept with the user's indexes: each chain is walked once
-        for k in [k for k in chains if k not in live]:
-            del chains[k]
-        rows: set[int] = set()
-        for k in live:
-            if k not in chains:
-                chains[k] = store.chain(k[1])
-            rows.update(chains[k])
-        return rows
-
     def state_label(self, session: str | None) -> str:
         """The label of the states a chat of this user saves (its conversations): forget finds them by it."""
         return f"kvmemory:chat:{self.key}:{session_key(session or '')}"

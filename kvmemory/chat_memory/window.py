@@ -58,7 +58,7 @@ def quoted(messages: list[dict], hits) -> list[dict]:
 
 
 def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
-          k: int = RECALL_TURNS, reuse=None, label: str | None = None, extra=(), owner: str | None = None) -> Window:
+          k: int = RECALL_TURNS, label: str | None = None, extra=(), owner: str | None = None) -> Window:
     """The window of `messages` for user memory `cm` (ChatMemory). Recalled turns exclude `session`'s
     own (they are in its prompt); `extra` are Recall objects to add (older turns of this session)."""
     if as_ not in ("kv", "text", "none"):
@@ -82,7 +82,7 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
             hits = _drop_least(hits)
             ids = prompts.chat_ids(mem.tokenizer, quoted(messages, hits) if hits else messages)
         _fits(len(ids), max_new_tokens, limit)
-        prefix = mem.save(ids[:-1], label=label, reuse=reuse, owner=owner) if len(ids) > 1 else None
+        prefix = mem.save(ids[:-1], label=label, owner=owner) if len(ids) > 1 else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
         logits = kvops.last_logits(mem.model, ids_tensor(ids[-1:], mem.model), cache)
         cached = prefix.reused_tokens if prefix is not None else 0
@@ -95,7 +95,7 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
     g = mem.geometry
     if prefix_ids:
-        prefix = mem.save(prefix_ids, label=label, reuse=reuse, owner=owner)
+        prefix = mem.save(prefix_ids, label=label, owner=owner)
         prefix_kv, cached, states = prefix.kv, prefix.reused_tokens, [prefix.id]
     else:
         prefix_kv = torch.zeros((g.layers, 2, g.kv_heads, 0, g.head_dim), dtype=mem.kv_dtype)
@@ -145,15 +145,12 @@ def reply(mem, cm, messages: list[dict], session: str | None = None, max_new_tok
     Returns (text, stats): stats has the window's figures and timings (ttft, decode)."""
     t0 = time.perf_counter()
     with mem.exclusive():
-        reuse = cm.own_rows()
-        w = build(mem, cm, messages, session, max_new_tokens, as_, k, reuse=reuse.__contains__,
-                  label=cm.state_label(session), owner=cm.key)
+        w = build(mem, cm, messages, session, max_new_tokens, as_, k, label=cm.state_label(session), owner=cm.key)
         ttft = time.perf_counter() - t0
-        reuse = cm.own_rows()                     # with the prefix just saved (its rows are read back)
         stream = TextStream(mem.tokenizer, strip=True)
         new = greedy(mem.model, w.cache, w.logits, max_new_tokens, mem.eos_ids, on_token=stream)
         text = stream.finish(new)
-        mem.save(w.ids + new, label=cm.state_label(session), reuse=reuse.__contains__, owner=cm.key)   # next turn
+        mem.save(w.ids + new, label=cm.state_label(session), owner=cm.key)   # next turn
         if remember and session:
             cm.remember(messages + [{"role": "assistant", "content": text}], session)
     return text, {**w.stats, "ttft_s": ttft, "tokens_decoded": len(new), "total_s": time.perf_counter() - t0}

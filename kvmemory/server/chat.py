@@ -121,7 +121,7 @@ class ChatService:
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
         out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
         return Prepared(ids, cache, out.logits[0, -1], prefix.reused_tokens if prefix is not None else 0,
-                        [prefix.id] if prefix is not None else [], [], None, None)
+                        [prefix.id] if prefix is not None else [], [], None)
 
     def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
         """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
@@ -158,7 +158,7 @@ class ChatService:
         record. save=False: the next turn's prompt holds the reply and was saved instead."""
         mem = self.mem
         with mem.exclusive(), torch.inference_mode():
-            state = mem.save(w.ids + new, label=w.label or "kvmemory:chat", reuse=w.reuse, owner=w.owner) \
+            state = mem.save(w.ids + new, label=w.label or "kvmemory:chat", owner=w.owner) \
                 if save else None
             if p.user is not None:
                 remember(self, p, text)

@@ -8,8 +8,9 @@ KV, the exchange remembered after the reply.
 Layout chosen so the session prefix restores bit-exactly (as without memory) and the recall sits
 next to the question. A conversation longer than the window keeps its system message and latest
 turns; its older exchanges are in the user's memory (remembered turn by turn) and recalled the
-same way, as KV, not quoted. The user's states reuse only the user's own blocks: another user's
-equal prefix is recomputed, never a cache hit (nor a faster first token).
+same way, as KV, not quoted. The user's states are salted chains (their ids keyed by the user):
+another user's equal prefix is other blocks, recomputed and written again, never a cache hit (nor a
+faster first token or a shorter commit).
 
 A session without a user that outgrows the window takes the same path with a memory of its own
 (session_memory: keyed by the session, no user's): its older exchanges remembered, and the most
@@ -37,10 +38,9 @@ class Prepared:
     states: list[str]              # states saved on the way (the prompt's prefix)
     recalled: list[dict]
     memory: dict | None            # the response's `kvmemory` object (with a user)
-    reuse: object                  # reuse(row) -> bool for saves: a user's own rows only
     label: str | None = None
     window: int | None = None      # tokens the reply attends to before it (prompt + grafted), if not len(ids)
-    owner: str | None = None       # keys the ids of the states saved (a user's own entries)
+    owner: str | None = None       # salts the chains and keys the ids of the states saved (a user's own)
 
 
 def session_memory(mem, session: str) -> ChatMemory:
@@ -72,20 +72,17 @@ def memory_window(service, p, cm=None) -> Prepared:
     that outgrew the window (cm: session_memory)."""
     mem = service.mem
     cm = mem.chat_memory(p.user) if cm is None else cm
-    owned = cm.own_rows()
     label = cm.state_label(p.session)
     messages = _fit_with_memory(service, p, cm)
     extra = []
     if len(messages) < len(p.messages):            # older turns of this very session were dropped
         extra = [h for h in cm.recall(messages[-1]["content"], k=window.RECALL_TURNS) if h.session == p.session]
-    w = window.build(mem, cm, messages, p.session, p.max_tokens, "kv", reuse=owned.__contains__, label=label,
-                     extra=extra, owner=cm.key)
-    owned = cm.own_rows()                          # with the prefix just saved: the user's own from now on
+    w = window.build(mem, cm, messages, p.session, p.max_tokens, "kv", label=label, extra=extra, owner=cm.key)
     memory = {"user": p.user, **({} if p.user is not None else {"session": p.session}),
               **{k: v for k, v in w.stats.items() if k != "recall_s"}}
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
                  "end_token": r["tokens"]} for r in w.stats["recalled"]]
-    return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, owned.__contains__, label,
+    return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, label,
                     w.stats["window_tokens"], cm.key)
 
 

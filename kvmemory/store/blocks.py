@@ -222,7 +222,7 @@ class BlockStore(CommitMixin, GcMixin):
         for i, r in enumerate(rows):
             n = int(meta["n_tokens"][i])
             pos = meta["positions"][i][:n]
-            parent_id = next(pid).tobytes() if parents[i] >= 0 else hashing.ROOT_PARENT
+            parent_id = next(pid).tobytes() if parents[i] >= 0 else self.manifest.root_of(r)
             bid = meta["block_id"][i].tobytes()
             if not (0 < n <= self.manifest.block_tokens) or np.any(np.diff(pos) != 1) or \
                     hashing.block_id(fp, parent_id, meta["tokens"][i][:n], pos) != bid or \

@@ -39,6 +39,7 @@ class NewBlock:
     tokens: np.ndarray      # [n] int
     positions: np.ndarray   # [n] int
     kv: np.ndarray
+    root: bytes = hashing.ROOT_PARENT   # parent id of a chain's first block (parent_row -1): a salted root
 
 
 @dataclass
@@ -120,7 +121,9 @@ class CommitMixin:
                                            ids="".join(b.block_id.hex() for b in ch.blocks),
                                            tokens=sum(len(b.tokens) for b in ch.blocks), states=dict(ch.states),
                                            docs=dict(ch.docs), removed_docs=list(ch.removed_docs),
-                                           removed_states=list(ch.removed_states), time=time.time())
+                                           removed_states=list(ch.removed_states), time=time.time(),
+                                           roots={str(start + i): b.root.hex() for i, b in enumerate(ch.blocks)
+                                                  if b.root != hashing.ROOT_PARENT})
                         try:
                             write_record(self.files, rec)
                             break
@@ -191,10 +194,14 @@ class CommitMixin:
         self._after_records([rec])
 
     def plan_chain(self, chain: Sequence[bytes], tokens: Sequence[int], start: int, parent_row: int,
-                   kv_of: Callable[[int], np.ndarray]) -> tuple[list[NewBlock], list[int]]:
+                   kv_of: Callable[[int], np.ndarray], root: bytes = hashing.ROOT_PARENT
+                   ) -> tuple[list[NewBlock], list[int]]:
         """The one chain builder: blocks chain[i] (tokens[i*C:(i+1)*C] at positions start + i*C ..)
         that the store lacks become NewBlocks (kv_of(i): storage words), rows from next_row on.
+        root: the parent id of chain[0] where it begins a chain (parent_row -1; a salted chain's root).
         Returns (new blocks, the row of every block of the chain)."""
+        if root != hashing.ROOT_PARENT and parent_row != -1:
+            raise ValueError("only a chain's first block (parent_row -1) has a root")
         C = self.manifest.block_tokens
         new: list[NewBlock] = []
         rows: list[int] = []
@@ -204,7 +211,7 @@ class CommitMixin:
                 row = self.next_row + len(new)
                 toks = np.asarray(tokens[i * C:(i + 1) * C])
                 new.append(NewBlock(bid, parent_row, toks, np.arange(start + i * C, start + i * C + len(toks)),
-                                    kv_of(i)))
+                                    kv_of(i), root if parent_row == -1 else hashing.ROOT_PARENT))
             rows.append(row)
             parent_row = row
         return new, rows
@@ -279,7 +286,7 @@ def relocate(ch: Change, planned: int, start: int) -> Change:
 
     def mv(r: int) -> int:
         return r - planned + start if planned <= r < planned + k else r
-    blocks = [NewBlock(b.block_id, mv(b.parent_row), b.tokens, b.positions, b.kv) for b in ch.blocks]
+    blocks = [dataclasses.replace(b, parent_row=mv(b.parent_row)) for b in ch.blocks]
     states = {sid: dataclasses.replace(e, last_row=mv(e.last_row)) for sid, e in ch.states.items()}
     docs = {d: dataclasses.replace(e, rows=[mv(r) for r in e.rows]) for d, e in ch.docs.items()}
     return Change(blocks, states, docs, ch.removed_docs, ch.removed_states)

@@ -7,7 +7,8 @@ A store's commit point is a log of small, write-once files:
                                model fingerprint and geometry, block layout. Never rewritten.
     log/00000001.json ...      one record per commit: the rows it appended (start row and the
                                ids of its blocks), states and documents added or removed, rows
-                               reclaimed by gc. A commit exists once its record exists.
+                               reclaimed by gc, the roots of salted chains it began. A commit
+                               exists once its record exists.
     log/snapshot-00000064.json every SNAPSHOT_EVERY commits, the whole view at that commit, so
                                opening reads one snapshot and at most SNAPSHOT_EVERY - 1 records.
 
@@ -24,6 +25,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from kvmemory.errors import StoreCorruptError
+from kvmemory.hashing import ROOT_PARENT
 
 FORMAT = "kvmemory-store"
 FORMAT_VERSION = 2
@@ -71,13 +73,17 @@ class CommitRecord:
     freed: list[int] = field(default_factory=list)
     freed_tokens: int = 0
     time: float = 0.0
+    roots: dict[str, str] = field(default_factory=dict)   # row -> root id (hex) of a salted chain's first block
 
     @property
     def n_new(self) -> int:
         return len(self.ids) // ID_HEX
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        raw = asdict(self)
+        if not raw["roots"]:               # a store without salted chains keeps the records it always had
+            del raw["roots"]
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str, where: str) -> "CommitRecord":
@@ -87,9 +93,11 @@ class CommitRecord:
             raw["docs"] = {k: DocEntry(**v) for k, v in raw.get("docs", {}).items()}
             rec = cls(**raw)
             bytes.fromhex(rec.ids)
+            bad_roots = any(not (rec.start <= int(r) < rec.start + rec.n_new) or len(bytes.fromhex(v)) != ID_HEX // 2
+                            for r, v in rec.roots.items())
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None
-        if len(rec.ids) % ID_HEX or rec.start < 0 or rec.commit < 1:
+        if len(rec.ids) % ID_HEX or rec.start < 0 or rec.commit < 1 or bad_roots:
             raise StoreCorruptError(f"{where} is inconsistent (start {rec.start}, {len(rec.ids)} id digits)")
         return rec
 
@@ -116,6 +124,7 @@ class Manifest:
     ranges: list[tuple[int, str, float]] = field(default_factory=list)
     freed: set[int] = field(default_factory=set)
     stored_tokens: int = 0
+    roots: dict[int, bytes] = field(default_factory=dict)   # first row of a salted chain -> its root id
     format: str = FORMAT
     version: int = FORMAT_VERSION
     _n_blocks: int | None = field(default=None, repr=False, compare=False)
@@ -154,6 +163,10 @@ class Manifest:
         i = bisect.bisect_right(self.ranges, row, key=lambda r: r[0]) - 1
         start, ids, _ = self.ranges[i]
         return bytes.fromhex(ids[(row - start) * ID_HEX:(row - start + 1) * ID_HEX])
+
+    def root_of(self, row: int) -> bytes:
+        """The parent id of the block at `row` if it begins a chain: its salted root, else ROOT_PARENT."""
+        return self.roots.get(int(row), ROOT_PARENT)
 
     def committed_since(self, t: float) -> set[int]:
         """Rows appended by commits at or after time t."""
@@ -196,6 +209,9 @@ class Manifest:
         self.stored_tokens += rec.tokens - rec.freed_tokens
         self._n_blocks = n_before + rec.n_new - len(set(rec.freed) - self.freed)
         self.freed.update(rec.freed)
+        self.roots.update((int(r), bytes.fromhex(v)) for r, v in rec.roots.items())
+        for r in rec.freed:
+            self.roots.pop(r, None)
         self.states.update(rec.states)
         self.docs.update(rec.docs)
         for d in rec.removed_docs:
@@ -220,7 +236,9 @@ class Manifest:
         return json.dumps({"commit": self.commit, "states": {k: asdict(v) for k, v in self.states.items()},
                            "docs": {k: asdict(v) for k, v in self.docs.items()},
                            "ranges": [list(r) for r in self.ranges], "freed": sorted(self.freed),
-                           "stored_tokens": self.stored_tokens}, sort_keys=True, separators=(",", ":"))
+                           "stored_tokens": self.stored_tokens,
+                           **({"roots": {str(r): v.hex() for r, v in sorted(self.roots.items())}} if self.roots else {})},
+                          sort_keys=True, separators=(",", ":"))
 
     def load_snapshot(self, text: str, where: str) -> None:
         try:
@@ -231,6 +249,7 @@ class Manifest:
             self.ranges = [(int(s), str(ids), float(t)) for s, ids, t in raw["ranges"]]
             self.freed = {int(r) for r in raw["freed"]}
             self.stored_tokens = int(raw["stored_tokens"])
+            self.roots = {int(r): bytes.fromhex(v) for r, v in raw.get("roots", {}).items()}
             self._n_blocks = None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise StoreCorruptError(f"{where} cannot be decoded: {e}") from None

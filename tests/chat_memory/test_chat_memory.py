@@ -60,6 +60,32 @@ def test_users_are_isolated_by_construction(mem):
         mem.add("not mine", doc_id=a.prefix + "x")
 
 
+def test_the_same_conversation_from_two_users_is_two_chains_each_written_in_full(mem):
+    """No cache hit across users, not even the commit after the reply: bob's conversation, word for
+    word alice's, finds none of her blocks and writes as many as hers did (salted chains)."""
+    store = mem.require_store()
+    msgs = [{"role": "system", "content": "You are a helpful assistant for the harbour gym. " * 8},
+            {"role": "user", "content": "What time does the sauna open on Sundays?"}]
+    grew = {}
+    for user in ("alice", "bob"):
+        n0 = store.n_blocks
+        mem.chat_memory(user).reply(msgs, session="s1", max_new_tokens=4, remember=False)
+        grew[user] = store.n_blocks - n0
+    assert grew["alice"] == grew["bob"] > 0
+
+    def chains(user):
+        key = mem.chat_memory(user).key
+        return {r for e in store.manifest.states.values() if e.label.startswith(f"kvmemory:chat:{key}:")
+                for r in store.chain(e.last_row)}
+    ra, rb = chains("alice"), chains("bob")
+    assert ra and rb and not ra & rb
+    assert not {store.manifest.id_of(r) for r in ra} & {store.manifest.id_of(r) for r in rb}
+    # alice again: her own prefix is her cache hit
+    n0 = store.n_blocks
+    _, stats = mem.chat_memory("alice").reply(msgs, session="s1", max_new_tokens=4, remember=False)
+    assert store.n_blocks == n0 and stats["tokens_restored"] > 0 and stats["tokens_grafted"] == 0
+
+
 def _token_rows(store: BlockStore) -> list[np.ndarray]:
     """Every token row on disk, whatever the commit log says (what gc must have deleted)."""
     import zarr

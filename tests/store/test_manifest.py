@@ -73,3 +73,26 @@ def test_record_off_a_shard_boundary_is_corrupt(tmp_path):
     write_record(LocalFiles(tmp_path), CommitRecord(commit=2, start=1, ids=_ids(1, 2)))   # must start at 2
     with pytest.raises(StoreCorruptError, match="shard boundary"):
         read_manifest(LocalFiles(tmp_path))
+
+
+def test_roots_of_salted_chains_replay_and_records_without_them_are_unchanged(tmp_path):
+    root = "ab" * 16
+    plain = CommitRecord(commit=1, start=0, ids=_ids(2), tokens=8, time=1.0)
+    assert "roots" not in json.loads(plain.to_json())        # what a store without salted chains always wrote
+    write_header(LocalFiles(tmp_path), _m())
+    write_record(LocalFiles(tmp_path), plain)
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=2, start=2, ids=_ids(2, 1), tokens=8, time=2.0,
+                                                    roots={"2": root}))
+    m = read_manifest(LocalFiles(tmp_path))
+    assert m.roots == {2: bytes.fromhex(root)} and m.root_of(2) == bytes.fromhex(root) and m.root_of(0) == bytes(16)
+    again = _m()
+    again.load_snapshot(m.snapshot_json(), "snapshot")
+    assert again.roots == m.roots
+
+
+@pytest.mark.parametrize("roots", [{"5": "ab" * 16}, {"0": "ab"}, {"0": "zz" * 16}])
+def test_a_root_outside_its_commit_or_malformed_is_corrupt(tmp_path, roots):
+    write_header(LocalFiles(tmp_path), _m())
+    write_record(LocalFiles(tmp_path), CommitRecord(commit=1, start=0, ids=_ids(2), roots=roots))
+    with pytest.raises(StoreCorruptError):
+        read_manifest(LocalFiles(tmp_path))
