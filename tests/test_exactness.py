@@ -1,9 +1,10 @@
 """The exactness contract with the real default model (SmolLM2-135M-Instruct, fp32).
 
-E3 is checked on 50 fresh random states per run (random token ids and real text; lengths:
+E3 is checked on fresh random states each run (random token ids and real text; lengths:
 the boundaries 1, C-1, C, C+1 and 2,000, then a third uniform and two thirds log-uniform in
-1..2,000; ten of them extend an earlier state so restored parents are exercised). The
-figures are printed (run with -s) and the assertions are exact.
+1..2,000; the last fifth extend an earlier state so restored parents are exercised): 25 in the
+suite, KVMEMORY_E3_STATES=50 for the README's run. The figures are printed (run with -s) and
+the assertions are exact.
 """
 
 import glob
@@ -61,14 +62,15 @@ def test_e3_same_position_graft_is_bit_exact(tmp_path, real_model, rng):
     with kvmemory.Memory(path, model=real_model) as mem:
         C = mem.block_tokens
         fixed = [1, C - 1, C, C + 1, 2000]
-        for i in range(50):
+        n_states = max(len(fixed) + 1, int(os.environ.get("KVMEMORY_E3_STATES", "25")))
+        for i in range(n_states):
             if i < len(fixed):
                 n = fixed[i]
             elif i % 3 == 0:
                 n = rng.randint(1, 2000)
             else:
                 n = max(1, min(2000, int(math.exp(rng.uniform(0, math.log(2000))))))
-            if i >= 40:   # extend an earlier state: its blocks come back from disk as the parent
+            if i >= n_states * 4 // 5:   # extend an earlier state: its blocks come back from disk as the parent
                 base = samples[rng.randrange(len(samples))][0]
                 ids = base + [rng.randrange(49152) for _ in range(rng.randrange(1, 300))]
                 ids = ids[:2000]
@@ -87,7 +89,7 @@ def test_e3_same_position_graft_is_bit_exact(tmp_path, real_model, rng):
             rows.append((len(ids), torch.equal(graft, fresh), kl_divergence(fresh, graft),
                          max_abs_diff(graft, single), kl_divergence(single, graft)))
     lengths = [r[0] for r in rows]
-    print(f"\nE3: {len(rows)} states, lengths {min(lengths)}..{max(lengths)} (median {sorted(lengths)[25]}, mean {sum(lengths) / len(lengths):.0f}); "
+    print(f"\nE3: {len(rows)} states, lengths {min(lengths)}..{max(lengths)} (median {sorted(lengths)[len(lengths) // 2]}, mean {sum(lengths) / len(lengths):.0f}); "
           f"bit-exact {sum(r[1] for r in rows)}/{len(rows)}; max KL {max(r[2] for r in rows):.3g}; "
           f"vs one single forward pass: max |dlogit| {max(r[3] for r in rows):.3g}, max KL {max(r[4] for r in rows):.3g}")
     assert all(r[1] for r in rows), [r for r in rows if not r[1]]

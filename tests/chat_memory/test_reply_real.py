@@ -42,8 +42,8 @@ def test_bench_chat_memory_runs(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
-                        "--filler", "1", "--max-new-tokens", "8", "--out", str(tmp_path), "--seed", "5",
-                        "--block-tokens", "64"],
+                        "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
+                        "--block-tokens", "64", "--conditions", "none,text,kv,oracle"],
                        cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(next(tmp_path.glob("chat-memory-*.json")).read_text())
