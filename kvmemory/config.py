@@ -46,6 +46,8 @@ class RuntimeConfig:
     host_cache_bytes: byte budget of the pager's host-RAM tier (LRU of recently used blocks).
     gpu_cache_bytes: byte budget of the GPU block pool tier (used only when CUDA is present).
     store_cache_bytes: byte budget of the local-disk tier of a store on an object store.
+    invariant: compute with the invariant kernels (kvmemory/model/invariant.py): the same KV bytes
+        whatever the chunking, the batch or the thread count; a store records the mode.
     """
 
     lock_timeout_s: float = 30.0
@@ -53,6 +55,7 @@ class RuntimeConfig:
     host_cache_bytes: int = 2 << 30
     gpu_cache_bytes: int = 4 << 30
     store_cache_bytes: int = 8 << 30
+    invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.lock_timeout_s < 0:
@@ -77,7 +80,16 @@ _ENV = {
     "KVMEMORY_HOST_CACHE_BYTES": ("host_cache_bytes", int),
     "KVMEMORY_GPU_CACHE_BYTES": ("gpu_cache_bytes", int),
     "KVMEMORY_STORE_CACHE_BYTES": ("store_cache_bytes", int),
+    "KVMEMORY_INVARIANT": ("invariant", lambda v: _flag(v)),
 }
+
+
+def _flag(v: str) -> bool:
+    if v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
 def from_env(cls: type, env: dict[str, str] | None = None, **overrides):

@@ -18,13 +18,13 @@ class WindowExceededError(InputError):
 class ModelMismatchError(KVMemoryError):
     """The store was written by a model whose fingerprint differs from the one in use."""
 
-    def __init__(self, store_fingerprint: str, model_fingerprint: str, path: str = "") -> None:
+    def __init__(self, store_fingerprint: str, model_fingerprint: str, path: str = "", hint: str = "") -> None:
         self.store_fingerprint = store_fingerprint
         self.model_fingerprint = model_fingerprint
         where = f" {path}" if path else ""
         super().__init__(
             f"store{where} belongs to model fingerprint {store_fingerprint}, but the model in use "
-            f"has fingerprint {model_fingerprint}; open it with the model that wrote it"
+            f"has fingerprint {model_fingerprint}; " + (hint or "open it with the model that wrote it")
         )
 
 

@@ -22,6 +22,7 @@ from kvmemory.decode import eos_ids, greedy
 from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, ModelMismatchError, StoreError
 from kvmemory.model import fingerprint, geometry, load_model
+from kvmemory.model import invariant as invariant_ops
 from kvmemory.states import State, StateInfo, States
 from kvmemory.store import BlockStore
 from kvmemory.store.info import describe
@@ -56,6 +57,13 @@ class Memory:
 
     segment_blocks: blocks per deposit segment for add() (default 4: 1,024 tokens).
 
+    invariant: compute with the invariant kernels (kvmemory/model/invariant.py; default: env
+    KVMEMORY_INVARIANT, else off): every output row reduced the same way whatever the chunking, the
+    batch or the thread count, so a restored state continues bit for bit like one plain forward
+    pass, and batched decoding like decoding alone. Installed into the model in place (a loaded
+    model passed in is changed). The mode is part of the fingerprint: a store is written by one
+    mode only, and opening it with the other raises ModelMismatchError.
+
     `path` may be an object-store location, "s3://bucket/prefix": the store lives there (any
     S3-compatible service; endpoint, credentials and region from the AWS_* environment
     variables or `storage_options`), with the same digest checks and atomic commits; a local
@@ -70,13 +78,14 @@ class Memory:
     def __init__(self, path, model=None, *, tokenizer=None, store_config: StoreConfig | None = None,
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
                  dtype: torch.dtype | None = None, segment_blocks: int | None = None,
-                 storage_options: dict | None = None, work_dir=None, store_cache_bytes: int | None = None) -> None:
+                 storage_options: dict | None = None, work_dir=None, store_cache_bytes: int | None = None,
+                 invariant: bool | None = None) -> None:
         if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
         self._lock = threading.RLock()
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
-                                store_cache_bytes=store_cache_bytes)
+                                store_cache_bytes=store_cache_bytes, invariant=invariant)
         # where the store is, before the model loads: a bad path or URL fails in milliseconds
         loc = locate(path, must_exist=read_only, storage_options=storage_options, work_dir=work_dir)
         self.location, self.path = loc.name, loc.root
@@ -86,6 +95,8 @@ class Memory:
             read_only = True
         self.model, self.tokenizer, self.model_name = load_model(
             model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(), dtype=dtype)
+        if self.runtime.invariant:
+            invariant_ops.install(self.model)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
         self.store = self._open_store(loc, read_only, store_config) if loc.exists else \
@@ -104,8 +115,14 @@ class Memory:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
                            files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
         if store.manifest.fingerprint != self.fingerprint:
-            raise ModelMismatchError(store.manifest.fingerprint, self.fingerprint, self.location)
+            theirs, ours = store.manifest.model.get("kernels", "default"), self._kernels()
+            hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
+                                              f"uses the {ours} ones: open it with invariant={theirs != 'default'}")
+            raise ModelMismatchError(store.manifest.fingerprint, self.fingerprint, self.location, hint)
         return store
+
+    def _kernels(self) -> str:
+        return invariant_ops.MODE if invariant_ops.installed(self.model) else "default"
 
     def _create_store(self, loc, store_config) -> BlockStore:
         cfg = store_config or from_env(StoreConfig)
@@ -114,7 +131,8 @@ class Memory:
             fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
             codec=cfg.codec, kv_dtype=g.dtype,
             model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
-                   "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope})
+                   "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
+                   **({"kernels": self._kernels()} if self._kernels() != "default" else {})})
         if loc.remote:
             return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
                                             cache_bytes=self.runtime.store_cache_bytes)

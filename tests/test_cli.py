@@ -73,6 +73,23 @@ def test_save_generate_info_verify_round_trip(tmp_path, tiny_dir):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_invariant_mode_is_recorded_and_verify_recomputes_in_it(tmp_path, tiny_dir):
+    store = tmp_path / "inv.kvm"
+    text = tmp_path / "prompt.txt"
+    text.write_text("The tide tables are posted at the harbour master's office. " * 30)
+    r = run("save", store, text, "--model", tiny_dir, "--invariant")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(run("info", store, "--json").stdout)["kernels"] == "invariant-v1"
+    # the default kernels do not open it, and say how to
+    assert "invariant=True" in _one_line_error(run("save", store, text, "--model", tiny_dir))
+    # verify --recompute takes the store's mode, and every block recomputes to its bytes
+    r = run("verify", store, "--recompute", "--model", tiny_dir)
+    assert r.returncode == 0 and b"E2 recompute" in r.stdout, r.stdout + r.stderr
+    plain = tmp_path / "plain.kvm"
+    assert run("save", plain, text, "--model", tiny_dir).returncode == 0
+    assert json.loads(run("info", plain, "--json").stdout)["kernels"] == "default"
+
+
 def test_verify_names_every_bad_block(tmp_path, tiny_dir):
     store = tmp_path / "bad.kvm"
     text = tmp_path / "p.txt"

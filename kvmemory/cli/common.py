@@ -23,6 +23,10 @@ __all__ = ["CREATES", "EPILOG", "KVMemoryError", "model_arg", "open_memory", "po
 def model_arg(sp) -> None:
     sp.add_argument("--model", metavar="DIR", default=None,
                     help="local transformers model directory (default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--invariant", action="store_true", default=None,
+                    help="compute with the invariant kernels: the same KV bytes whatever the chunking, the batch "
+                         "or the thread count (slower: README, 'Invariant mode'); a store records its mode and "
+                         "opens only in it (env KVMEMORY_INVARIANT=1)")
 
 
 def positive_int(text: str) -> int:
@@ -50,4 +54,5 @@ def open_memory(args, read_only=False, create=False, **kw):
     if not create and not locate(args.store, must_exist=False).exists:
         raise KVMemoryError(f"no kvmemory store at {args.store}; check the path, or create one with kvmemory save "
                             "or kvmemory add")
-    return Memory(args.store, model=getattr(args, "model", None), read_only=read_only, **kw)
+    return Memory(args.store, model=getattr(args, "model", None), read_only=read_only,
+                  invariant=getattr(args, "invariant", None), **kw)

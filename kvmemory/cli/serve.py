@@ -48,8 +48,9 @@ def cmd_serve(args) -> int:
 
         serve_ray(args.store, host=args.host, port=args.port, replicas=args.replicas,
                   address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
-                  queue_size=args.queue, max_body_bytes=args.max_body_mb << 20)
+                  queue_size=args.queue, max_body_bytes=args.max_body_mb << 20, batch=args.batch,
+                  invariant=args.invariant)
         return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
-          max_body_bytes=args.max_body_mb << 20, batch=args.batch)
+          max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant)
     return 0

@@ -90,6 +90,11 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     if args.recompute:
+        from kvmemory.store.location import locate
+        from kvmemory.store.log import read_manifest
+        loc = locate(args.store, must_exist=False)
+        if loc.exists and not args.invariant:          # recompute with the kernels that computed the blocks
+            args.invariant = read_manifest(loc.files).model.get("kernels", "default") != "default" or None
         with open_memory(args, read_only=True) as mem:
             with progress(mem.store.n_blocks, "recompute") as bar:
                 bad = mem.verify(recompute=True, progress=bar)

@@ -59,14 +59,18 @@ def geometry(model) -> KVGeometry:
 
 
 def fingerprint(model) -> str:
-    """'kvm1-' + 32 hex digits naming (config, weights' bytes, dtype, RoPE, KV layout version)."""
+    """'kvm1-' + 32 hex digits naming (config, weights' bytes, dtype, RoPE, KV layout version, and
+    the kernels where they are not the default: invariant mode computes other bytes)."""
     import torch
 
+    from kvmemory.model import invariant
     geo = geometry(model)
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE}
+    named = {"config": cfg, "dtype": geo.dtype, "rope": geo.rope, "layout": KV_LAYOUT_VERSION}
+    if invariant.installed(model):
+        named["kernels"] = invariant.MODE          # (absent for the default: their stores keep their fingerprints)
     h = xxhash.xxh3_128()
-    h.update(json.dumps({"config": cfg, "dtype": geo.dtype, "rope": geo.rope, "layout": KV_LAYOUT_VERSION},
-                        sort_keys=True, default=str).encode())
+    h.update(json.dumps(named, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{_dtype_name(t.dtype)}|{tuple(t.shape)}".encode())

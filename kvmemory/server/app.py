@@ -141,12 +141,13 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
-          queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH) -> None:
-    """Open (or create) the store and serve it until interrupted."""
+          queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
+          invariant: bool | None = None) -> None:
+    """Open (or create) the store and serve it until interrupted (invariant: Memory's)."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
-    mem = Memory(store, model=model)
+    mem = Memory(store, model=model, invariant=invariant)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch),
                 host=host, port=port, log_level="warning")

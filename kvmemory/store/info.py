@@ -21,7 +21,7 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
            "states": len(m.states), "documents": len(m.docs), "blocks": m.n_blocks, "block_tokens": m.block_tokens,
            "codec": m.codec, "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
            "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
-           "commit": m.commit}
+           "commit": m.commit, "kernels": m.model.get("kernels", "default")}
     if with_states:
         out["state_list"] = [{"id": k, "n_tokens": v.n_tokens, "label": v.label, "created": v.created}
                              for k, v in sorted(m.states.items(), key=lambda kv: kv[1].created)]

@@ -1,0 +1,206 @@
+"""Invariant mode: the model's reducing ops replaced by versions whose every output row is reduced
+in an order that does not depend on how many rows there are, how a prompt is chunked, what else
+is in the batch, or how many threads run.
+
+Where the default kernels differ (probed on the reference CPU, default model, fp32): the GEMM
+behind nn.Linear rounds the rows of a product of 1-3 rows (and 5-7, 9-11 at two threads) unlike
+those of a longer one, and the CPU flash-attention kernel tiles queries and keys by sizes chosen
+from the sequence length. So a decode step's row, a chunk's rows and the same rows inside one
+longer pass round differently in the last bits, and a restored state continues like the chunked
+computation, not like one pass.
+
+The replacements:
+
+- linear: a product of fewer than FULL_ROWS rows is padded with zero rows to a multiple of
+  ROW_QUANTUM (a decode step of one sequence: 4 rows); every other product runs unchanged, since
+  the BLAS already reduces each of its rows the same way (checked at install: `check`).
+- attention: keys in KEY_BLOCK-key blocks at absolute key positions (0, 256, 512, ...), the last
+  one padded; every product of a block is a fixed-shape problem ([rows, D] x [D, KEY_BLOCK],
+  [rows, KEY_BLOCK] x [KEY_BLOCK, D], rows padded as for linear); a query's max over all its
+  scores (exact in any order), and the blocks' sums and weighted values added one block after
+  another in key order. A key beyond a query's position gets exactly zero weight, so a block
+  entirely beyond it adds exact zeros after its real blocks: a query's result is the same whether
+  the pass that computes it holds later keys (one pass) or not (chunked, restored, decoded).
+- RMSNorm, RoPE and the elementwise ops already reduce per row in a fixed order (tested).
+
+Installed in place (`install(model)`): each nn.Linear's class is swapped for InvariantLinear (the
+same parameters, no copy), and the attention implementation set to "kvmemory_invariant", a
+function registered with transformers' AttentionInterface. The model's fingerprint then names
+the mode (kvmemory/model/fingerprint.py): a store's blocks are computed by one mode only, and a
+store of the other mode does not open with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmemory.errors import ModelLoadError
+
+NAME = "kvmemory_invariant"
+MODE = "invariant-v1"            # recorded in the fingerprint and the store's header
+KEY_BLOCK = 256                  # keys per attention block
+QUERY_SLAB = 64                  # queries whose scores are held at once (speed and memory, not bits: 2x faster than 256 here)
+# The reference CPU's BLAS (MKL sgemm, AVX-512) reduces a row of an [M, K] x [K, N] product the same
+# way for every M >= 12 and for M = 4 and 8, at one thread and two; M in 1..3 (and 5..7, 9..11 at
+# two threads) takes other paths. So a product of fewer than FULL_ROWS rows is padded with zero
+# rows to a multiple of ROW_QUANTUM, and any other product runs as it is: the same bits per row as
+# any chunking, at the cost of a few zero rows in decoding. Measured over M = 1..9,000 for every
+# Linear shape of the default model (probe in the README), and checked on the machine at every
+# install (`check`): a BLAS that does not keep it raises InvariantUnavailableError, never a
+# silent fallback.
+ROW_QUANTUM = 4
+FULL_ROWS = 12
+
+
+class InvariantUnavailableError(ModelLoadError):
+    """This machine's kernels do not reduce rows independently of the row count (see `check`)."""
+
+
+def padded_rows(m: int) -> int:
+    return m if m >= FULL_ROWS else -(-m // ROW_QUANTUM) * ROW_QUANTUM
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with every row reduced the same way whatever the number of rows."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    pad = padded_rows(m) - m
+    if not pad:
+        return F.linear(x, weight, bias)
+    out = F.linear(torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]), weight, bias)[:m]
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+class InvariantLinear(nn.Linear):
+    """nn.Linear through `linear` (installed by swapping a module's class: same parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention with a fixed reduction order: query [B, Hq, Lq, D], key/value
+    [B, Hkv, Lk, D], the queries being the last Lq of the Lk positions (a prefill chunk or a decode
+    step after the cache). Returns (output [B, Lq, Hq, D], None), as transformers' attention
+    functions do.
+
+    The queries of the heads that share a KV head are the rows of one problem (no copy of the
+    cache per head). Per slab of queries: scores against every KEY_BLOCK-key block (fixed-shape
+    problems; the cache's last, partial block padded on its own), a row's max over all of them (a
+    max is exact in any order), its weights, then each block's sum and weighted values added block
+    after block in key order. A block past a query's position adds exact zeros after its real
+    blocks, so the result does not depend on how many keys the pass holds beyond it."""
+    if attention_mask is not None:
+        raise ValueError("invariant attention computes its causal mask itself; a padded batch is not supported")
+    if dropout:
+        raise ValueError("invariant attention is for inference: dropout must be 0")
+    b, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    g, n = hq // hkv, b * hkv
+    scale = d ** -0.5 if scaling is None else scaling
+    dev = query.device
+    full, tail = divmod(lk, KEY_BLOCK)
+    q_all = query.reshape(n, g, lq, d)
+    key, value = key.reshape(n, lk, d), value.reshape(n, lk, d)
+    outs = []
+    for q0 in range(0, lq, QUERY_SLAB):
+        r = min(QUERY_SLAB, lq - q0)
+        rows = padded_rows(g * r)
+        q = q_all[:, :, q0:q0 + r].reshape(n, g * r, d)
+        first = lk - lq + q0                                            # position of the slab's first query
+        qpos = torch.arange(first, first + r, device=dev).repeat(g)
+        if rows > g * r:
+            q = F.pad(q, (0, 0, 0, rows - g * r))
+            qpos = F.pad(qpos, (0, rows - g * r), value=lk - 1)
+        qpos = qpos.view(1, rows, 1)
+        need = (first + r - 1) // KEY_BLOCK + 1                         # blocks past every query: zeros, skipped
+        groups = []                                                     # (keys, values, key positions), in key order
+        nf = min(full, need)
+        if nf:
+            groups.append((key[:, :nf * KEY_BLOCK].reshape(n, nf, KEY_BLOCK, d),
+                           value[:, :nf * KEY_BLOCK].reshape(n, nf, KEY_BLOCK, d),
+                           torch.arange(nf * KEY_BLOCK, device=dev).view(nf, 1, KEY_BLOCK)))
+        if tail and need > full:
+            pad = (0, 0, 0, KEY_BLOCK - tail)
+            groups.append((F.pad(key[:, full * KEY_BLOCK:], pad).unsqueeze(1),
+                           F.pad(value[:, full * KEY_BLOCK:], pad).unsqueeze(1),
+                           torch.arange(full * KEY_BLOCK, (full + 1) * KEY_BLOCK, device=dev).view(1, 1, KEY_BLOCK)))
+        scores = []
+        for kb, _, kpos in groups:
+            sc = torch.matmul(q.unsqueeze(1), kb.transpose(-1, -2)) * scale           # [n, blocks, rows, KB]
+            scores.append(sc.masked_fill((kpos > qpos) | (kpos >= lk), float("-inf")))
+        top = scores[0].amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)          # [n, 1, rows, 1]
+        for sc in scores[1:]:
+            top = torch.maximum(top, sc.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True))
+        total = acc = None
+        for sc, (_, vb, _) in zip(scores, groups):
+            p = torch.exp(sc - top)
+            sums = p.sum(dim=-1, keepdim=True)                                         # [n, blocks, rows, 1]
+            parts = torch.matmul(p, vb)                                                # [n, blocks, rows, D]
+            for j in range(sums.shape[1]):                                             # in key order, one at a time
+                total = sums[:, j] if total is None else total + sums[:, j]
+                acc = parts[:, j] if acc is None else acc + parts[:, j]
+        outs.append((acc / total)[:, :g * r].reshape(b, hkv, g, r, d).reshape(b, hq, r, d))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check(model, threads: tuple[int, ...] | None = None) -> None:
+    """On this machine, are the model's products row-invariant? For every Linear shape of the model,
+    rows of M-row products (M = 1..13, 64, 255) must equal the same rows of one 300-row product, and
+    attention over slices of 300 queries the same rows of one pass, at the current thread count and
+    at one thread. Raises InvariantUnavailableError naming the first that is not."""
+    shapes = sorted({tuple(mod.weight.shape) for mod in model.modules() if isinstance(mod, nn.Linear)})
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    n = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    ms = list(range(1, 14)) + [64, 255]
+    try:
+        for t in threads or tuple(sorted({n, 1})):
+            torch.set_num_threads(t)
+            for out_f, in_f in shapes:
+                w = torch.randn(out_f, in_f, generator=g)
+                x = torch.randn(300, in_f, generator=g)
+                full = linear(x, w)
+                for mm in (ms if out_f * in_f < 8 << 20 else ms[:13]):   # the LM head: small products only
+                    if not torch.equal(linear(x[:mm], w), full[:mm]):
+                        raise InvariantUnavailableError(
+                            f"this machine's GEMM rounds a [{mm}, {in_f}] x [{in_f}, {out_f}] product's rows unlike "
+                            f"the same rows of a longer one at {t} thread(s): invariant mode cannot be used here")
+            q, k, v = (torch.randn(1, 2, 300, head_dim, generator=g) for _ in range(3))
+            full, _ = attention(None, q, k, v)
+            for a, e in ((0, 1), (0, 13), (5, 6), (40, 299), (255, 257), (299, 300)):
+                part, _ = attention(None, q[:, :, a:e], k[:, :, :e], v[:, :, :e])
+                if not torch.equal(part, full[:, a:e]):
+                    raise InvariantUnavailableError(
+                        f"this machine's batched GEMM rounds attention for queries {a}..{e - 1} unlike one pass at "
+                        f"{t} thread(s): invariant mode cannot be used here")
+    finally:
+        torch.set_num_threads(n)
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, attention)
+
+
+def install(model) -> None:
+    """Put the model in invariant mode, in place (idempotent), after checking that this machine's
+    kernels allow it (`check`)."""
+    check(model)
+    register()
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            mod.__class__ = InvariantLinear
+    model.config._attn_implementation = NAME
+    for mod in model.modules():                    # the layers read it from their own config object
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and cfg is not model.config:
+            cfg._attn_implementation = NAME
+
+
+def installed(model) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == NAME
