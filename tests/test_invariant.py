@@ -18,12 +18,17 @@ from kvmemory.model import fingerprint
 from kvmemory.model import invariant as inv
 
 
-@pytest.fixture(scope="module")
-def inv_tiny(tiny):
-    model, tok = tiny
+def _invariant_copy(model_and_tokenizer):
+    """A copy of a session-wide model put in invariant mode (the original stays as it is)."""
+    model, tok = model_and_tokenizer
     m = copy.deepcopy(model)
     inv.install(m)
     return m, tok
+
+
+@pytest.fixture(scope="module")
+def inv_tiny(tiny):
+    return _invariant_copy(tiny)
 
 
 @pytest.fixture
@@ -186,10 +191,7 @@ def test_memory_in_invariant_mode_restores_like_one_plain_pass(tmp_path, tiny):
 
 @pytest.fixture(scope="module")
 def inv_real(real_model):
-    model, tok = real_model
-    m = copy.deepcopy(model)
-    inv.install(m)
-    return m, tok
+    return _invariant_copy(real_model)
 
 
 @pytest.mark.real_model
