@@ -383,6 +383,13 @@ class Memory:
         """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
         return self.states_room.verify(recompute, progress)
 
+    @_locked
+    def audit(self, samples: int = 8, seed: int | None = None, progress=None):
+        """E3 on `samples` random states of the store (kvmemory/audit.py): restored vs recomputed the
+        canonical way, bit for bit (and vs one plain pass in invariant mode). Returns (seed, rows)."""
+        from kvmemory.audit import audit
+        return audit(self, samples, seed, progress)
+
     # ------------------------------------------------------------------ generation
     def chat_turn(self, text: str) -> str:
         """The chat-template text of one user turn followed by the assistant's opening."""

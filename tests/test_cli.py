@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-SUBCOMMANDS = ["save", "generate", "info", "verify", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve"]
+SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve"]
 
 
 def run(*args, stdin=None, timeout=600):
@@ -85,9 +85,14 @@ def test_invariant_mode_is_recorded_and_verify_recomputes_in_it(tmp_path, tiny_d
     # verify --recompute takes the store's mode, and every block recomputes to its bytes
     r = run("verify", store, "--recompute", "--model", tiny_dir)
     assert r.returncode == 0 and b"E2 recompute" in r.stdout, r.stdout + r.stderr
+    # audit takes the mode too: restored == recomputed == one plain pass, for every state
+    r = run("audit", store, "--samples", "3", "--model", tiny_dir, "--seed", "1")
+    assert r.returncode == 0 and b"1/1 states bit-exact" in r.stdout and b"required to be 0" in r.stdout, r.stdout
     plain = tmp_path / "plain.kvm"
     assert run("save", plain, text, "--model", tiny_dir).returncode == 0
     assert json.loads(run("info", plain, "--json").stdout)["kernels"] == "default"
+    out = json.loads(run("audit", plain, "--model", tiny_dir, "--json").stdout)
+    assert out["kernels"] == "default" and out["passed"] == 1 and out["states"][0]["exact"]
 
 
 def test_verify_names_every_bad_block(tmp_path, tiny_dir):
@@ -108,6 +113,8 @@ def test_verify_names_every_bad_block(tmp_path, tiny_dir):
         assert r.returncode == 1
         bad = [line for line in r.stdout.decode().splitlines() if line.startswith("BAD")]
         assert len(bad) >= 2, r.stdout
+    r = run("audit", store, "--model", tiny_dir)          # the one state holds the damaged blocks
+    assert r.returncode == 1 and r.stdout.decode().startswith("BAD") and b"0/1 states" in r.stdout, r.stdout
 
 
 def test_bad_input_files(tmp_path, tiny_dir):
