@@ -372,7 +372,7 @@ def main() -> None:
     ap.add_argument("--block-tokens", type=int, default=None,
                     help="tokens per block of a new store (default: KVMEMORY_BLOCK_TOKENS or 256); a chat "
                          "turn fills one partial block, so small blocks pad less")
-    ap.add_argument("--codec", choices=("none", "zstd"), default=None,
+    ap.add_argument("--codec", choices=("none", "zstd", "lz4"), default=None,
                     help="KV codec of a new store (default: KVMEMORY_CODEC or none)")
     ap.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     args = ap.parse_args()

@@ -4,7 +4,7 @@ Real KV of the default model (fp32, and the same values cast to bf16): a fresh t
 canonical way, cut in 256-token blocks. For each Blosc codec (zstd, lz4, lz4hc at a few levels;
 no shuffle, byte shuffle, bit shuffle) side by side on the same blocks: compression ratio, encode
 and decode GB/s (of uncompressed bytes; Blosc's own threads), every decode checked bit-exact.
-Then the store itself: the same document deposited into a raw store and a zstd store
+Then the store itself: the same document deposited into a raw, a zstd and an lz4 store
 (StoreConfig(codec=...)), its blocks read back verified from a cold page cache (median of
 --reps), against the raw store's read.
 
@@ -78,7 +78,7 @@ def store_reads(text: str, reps: int, tmp: Path) -> list[dict]:
     from kvmemory.config import StoreConfig
     from kvmemory.store.blocks import BlockStore
     out = []
-    for codec in ("none", "zstd"):
+    for codec in ("none", "zstd", "lz4"):
         path = tmp / f"{codec}.kvm"
         mem = kvmemory.Memory(path, store_config=StoreConfig(codec=codec))
         t = time.perf_counter()
@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="", help="appended to the result files' names")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
@@ -126,7 +127,7 @@ def main() -> int:
         store = store_reads(text, args.reps, Path(tmp))
     res = {"benchmark": "codec", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed,
            "machine": describe(), "tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store}
-    out = Path(args.out) / f"codec-{res['date']}.json"
+    out = Path(args.out) / f"codec-{res['date']}{'-' + args.tag if args.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     for dt, rows in table.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvmemory.errors import InputError
 
-CODECS = ("none", "zstd")
+CODECS = ("none", "zstd", "lz4")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class StoreConfig:
         18%; a 256-token block of the default model is 11.8 MB in fp32, a good I/O unit.
     shard_blocks: blocks per Zarr shard file (4: 47 MB shards for the default model, so a
         million-token store is ~1,000 files and appending one block rewrites at most one shard).
-    codec: "none" (raw words, fastest restore) or "zstd" (lossless, byte-shuffled).
+    codec: "none" (raw words, fastest restore), "zstd" (lossless, byte-shuffled, level 3) or "lz4"
+        (lossless, bit-shuffled: less ratio, faster decode; benchmarks/bench_codec.py).
     """
 
     block_tokens: int = 256

@@ -13,7 +13,7 @@ EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible servi
           "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget), KVMEMORY_STORE_CACHE_DIR and "
           "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store); for a store being created: "
           "KVMEMORY_BLOCK_TOKENS (tokens per block, default 256; 64 for a store of chat memory), "
-          "KVMEMORY_CODEC (none or zstd), KVMEMORY_SHARD_BLOCKS.")
+          "KVMEMORY_CODEC (none, zstd or lz4), KVMEMORY_SHARD_BLOCKS.")
 
 CREATES = "store directory or s3://bucket/prefix (created if missing)"
 
@@ -39,10 +39,10 @@ def positive_int(text: str) -> int:
     return n
 
 
-def progress(total: int, desc: str):
+def progress(total: int, desc: str, unit: str = "block"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="block", disable=not sys.stderr.isatty())
+    return tqdm(total=total, desc=desc, unit=unit, disable=not sys.stderr.isatty())
 
 
 def open_memory(args, read_only=False, create=False, **kw):

@@ -58,6 +58,8 @@ def create_arrays(zstore, m: Manifest) -> None:
     codecs = None
     if m.codec == "zstd":
         codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")]
+    elif m.codec == "lz4":
+        codecs = [zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")]
     g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=STORAGE_DTYPE[m.kv_dtype],
                    chunks=(1, *kv_shape), shards=(S, *kv_shape), compressors=codecs, fill_value=0)
     meta_codec = [zarr.codecs.ZstdCodec(level=1)]      # the fill of a partly used chunk costs nothing

@@ -31,7 +31,8 @@ class StoreTests:
         raise NotImplementedError
 
     @pytest.mark.parametrize("dtype,codec", [(torch.float32, "none"), (torch.float16, "zstd"),
-                                             (torch.bfloat16, "none"), (torch.bfloat16, "zstd")])
+                                             (torch.bfloat16, "none"), (torch.bfloat16, "zstd"),
+                                             (torch.float32, "lz4")])
     def test_round_trip_is_byte_exact(self, where, dtype, codec):
         """E1: a fresh reader reads the bytes written, NaN patterns and partial blocks included."""
         gen = torch.Generator().manual_seed(0)

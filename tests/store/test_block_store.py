@@ -55,7 +55,7 @@ def _kv_shard_files(root):
     return sorted(p for p in (root / "data" / "kv").rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
-@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("codec", ["none", "zstd", "lz4"])
 def test_flipped_byte_raises_naming_block(tmp_path, codec):
     gen = torch.Generator().manual_seed(2)
     store = make_store(tmp_path / "s", codec=codec)
