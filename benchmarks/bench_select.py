@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--nprobe", default="",
+                    help="IVF lists probed, a sweep (e.g. 8,16,32,64,128): needle recall@k, overlap of IVF's "
+                         "top windows with the exact index's, and query time for each (default: the index's own)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"seed {seed}", file=sys.stderr)
@@ -84,6 +87,10 @@ def main() -> None:
         bm25_s = time.perf_counter() - t
         ivf = VectorIndex(384, ivf_threshold=0)
         ivf.add(wids, vecs)
+        import faiss
+        inner = faiss.downcast_index(ivf.index.index)
+        own_nprobe, nlist = inner.nprobe, inner.nlist
+        qvs, golds = [], []
         methods = ["dense", "bm25", "ivf"] + [f"rrf {a:g}:{b:g}:{k:g}" for a, b, k in weights]
         hit = {m: {k: 0 for k in KS} for m in methods}
         pool = max(MIN_POOL, max(KS) * WINDOWS_PER_BLOCK)
@@ -92,6 +99,8 @@ def main() -> None:
             gold = [needle_blocks(tok, text, ids, nd, C) for nd in q.needles]
             t = time.perf_counter()
             qv = emb.embed([q.question])[0]
+            qvs.append(qv)
+            golds.append(gold)
             d = [r for r, _ in best_per_block(dense.search(qv, pool), win.row_of)]
             lat["dense"].append(time.perf_counter() - t)
             t = time.perf_counter()
@@ -107,8 +116,26 @@ def main() -> None:
                 for k in KS:
                     hit[m][k] += all(g & set(order[:k]) for g in gold)
         n = len(qs)
+        sweep = []
+        for probe in [int(x) for x in args.nprobe.split(",") if x.strip()]:
+            inner.nprobe = min(probe, nlist)
+            got = {k: 0 for k in KS}
+            overlap, ms = [], []
+            for qv, gold in zip(qvs, golds):
+                exact = {i for i, _ in dense.search(qv, pool)}
+                t = time.perf_counter()
+                hits = ivf.search(qv, pool)
+                ms.append(1000 * (time.perf_counter() - t))
+                overlap.append(len(exact & {i for i, _ in hits}) / max(1, len(exact)))
+                order = [r for r, _ in best_per_block(hits, win.row_of)]
+                for k in KS:
+                    got[k] += all(g & set(order[:k]) for g in gold)
+            sweep.append({"nprobe": inner.nprobe, "recall": {str(k): v / n for k, v in got.items()},
+                          "top_window_overlap_with_flat": statistics.mean(overlap), "ms_median": statistics.median(ms)})
+        inner.nprobe = own_nprobe
         row = {"size": size, "doc_tokens": len(ids), "blocks": len(blocks), "windows": len(wids), "questions": n,
-               "embed_s": embed_s, "bm25_build_s": bm25_s,
+               "embed_s": embed_s, "bm25_build_s": bm25_s, "ivf_nlist": nlist, "ivf_nprobe": own_nprobe,
+               "ivf_sweep": sweep,
                "recall": {m: {str(k): v / n for k, v in d.items()} for m, d in hit.items()},
                "latency_ms_median": {m: 1000 * statistics.median(v) for m, v in lat.items()}}
         rows.append(row)
@@ -117,6 +144,9 @@ def main() -> None:
         for m in methods:
             lt = f"  {row['latency_ms_median'][m]:.1f} ms" if m in lat else ""
             print(f"  {m:>12} " + "  ".join(f"@{k} {hit[m][k] / n:4.0%}" for k in KS) + lt)
+        for sw in sweep:
+            print(f"  ivf nprobe {sw['nprobe']:>4}/{nlist} " + "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall"].items())
+                  + f"  top-{pool} overlap with flat {sw['top_window_overlap_with_flat']:.3f}  {sw['ms_median']:.1f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
