@@ -1,6 +1,7 @@
-"""bench_flat_access.py and bench_qa.py run end to end at a tiny size (so they do not rot), and
-what they report holds: the window's grafted tokens stay within ask's budget at every size,
-and a kept deposit is reused by a run that draws the same text."""
+"""bench_flat_access.py, bench_qa.py, bench_invariant.py and bench_select.py run end to end at a
+tiny size (so they do not rot), and what they report holds: the window's grafted tokens stay
+within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
+invariant mode is exact, and probing every IVF list is the exact search."""
 
 import json
 import subprocess
@@ -43,3 +44,30 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     ma, mb = a["rows"][0]["methods"], b["rows"][0]["methods"]
     assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1"}
     assert [e["replies"] for e in a["rows"][0]["examples"]] == [e["replies"] for e in b["rows"][0]["examples"]]
+
+
+@pytest.mark.real_model
+def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_invariant.py", "--tokens", "300", "--decode", "3",
+                        "--batch", "2", "--reps", "1", "--out", str(tmp_path), "--seed", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("invariant-*.json")).read_text())
+    inv, default = res["modes"]["invariant"], res["modes"]["default"]
+    assert inv["chunked_equals_one_pass"] and inv["chunked_max_abs_diff"] == 0.0 and inv["batched_replies_differ"] == 0
+    assert default["decode_alone_tok_s"] > 0 and default["prefill_chunked_tok_s"] > 0
+    assert set(res["invariant_over_default"]) == {"prefill_one_pass_tok_s", "prefill_chunked_tok_s",
+                                                  "decode_alone_tok_s", "decode_batch_tok_s"}
+    assert next(tmp_path.glob("invariant-*.png")).stat().st_size > 0
+
+
+def test_bench_select_sweeps_ivf_probes(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_select.py", "--sizes", "16384", "--questions", "5",
+                        "--nprobe", "2,1000", "--out", str(tmp_path), "--seed", "4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.loads(next(tmp_path.glob("select-*.json")).read_text())["rows"][0]
+    few, every = row["ivf_sweep"]
+    assert few["nprobe"] == 2 and every["nprobe"] == row["ivf_nlist"]           # capped at the lists there are
+    assert every["top_window_overlap_with_flat"] == 1.0                          # every list probed: exact
+    assert few["top_window_overlap_with_flat"] < 1.0
