@@ -148,7 +148,8 @@ def main() -> int:
         ax.bar([x + 0.2 for x in xs], [i[k] for k in keys], 0.4, label="invariant")
         ax.set_xticks(list(xs), [k.replace("_tok_s", "").replace("_", " ") for k in keys], fontsize=8)
         ax.set_ylabel("tokens / s")
-        ax.set_title(f"invariant vs default kernels ({res['machine']['cpu']}, {res['machine']['torch_threads']} threads)")
+        m = res["machine"]
+        ax.set_title(f"invariant vs default kernels ({m['cpu']}, {m['torch_threads']} threads)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)

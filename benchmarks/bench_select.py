@@ -145,8 +145,9 @@ def main() -> None:
             lt = f"  {row['latency_ms_median'][m]:.1f} ms" if m in lat else ""
             print(f"  {m:>12} " + "  ".join(f"@{k} {hit[m][k] / n:4.0%}" for k in KS) + lt)
         for sw in sweep:
-            print(f"  ivf nprobe {sw['nprobe']:>4}/{nlist} " + "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall"].items())
-                  + f"  top-{pool} overlap with flat {sw['top_window_overlap_with_flat']:.3f}  {sw['ms_median']:.1f} ms")
+            at_k = "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall"].items())
+            print(f"  ivf nprobe {sw['nprobe']:>4}/{nlist} {at_k}  top-{pool} overlap with flat "
+                  f"{sw['top_window_overlap_with_flat']:.3f}  {sw['ms_median']:.1f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")

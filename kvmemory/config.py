@@ -72,6 +72,14 @@ class RuntimeConfig:
         return Path(platformdirs.user_cache_dir("kvmemory"))
 
 
+def _flag(v: str) -> bool:
+    if v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
 _ENV = {
     "KVMEMORY_BLOCK_TOKENS": ("block_tokens", int),
     "KVMEMORY_SHARD_BLOCKS": ("shard_blocks", int),
@@ -81,16 +89,8 @@ _ENV = {
     "KVMEMORY_HOST_CACHE_BYTES": ("host_cache_bytes", int),
     "KVMEMORY_GPU_CACHE_BYTES": ("gpu_cache_bytes", int),
     "KVMEMORY_STORE_CACHE_BYTES": ("store_cache_bytes", int),
-    "KVMEMORY_INVARIANT": ("invariant", lambda v: _flag(v)),
+    "KVMEMORY_INVARIANT": ("invariant", _flag),
 }
-
-
-def _flag(v: str) -> bool:
-    if v.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
 def from_env(cls: type, env: dict[str, str] | None = None, **overrides):

@@ -21,3 +21,12 @@ def test_invalid_store_config(kw):
 def test_invalid_env_value_names_variable():
     with pytest.raises(InputError, match="KVMEMORY_BLOCK_TOKENS"):
         from_env(StoreConfig, env={"KVMEMORY_BLOCK_TOKENS": "many"})
+
+
+def test_invariant_mode_from_the_environment():
+    assert from_env(RuntimeConfig, env={}).invariant is False
+    assert from_env(RuntimeConfig, env={"KVMEMORY_INVARIANT": "1"}).invariant is True
+    assert from_env(RuntimeConfig, env={"KVMEMORY_INVARIANT": "off"}).invariant is False
+    assert from_env(RuntimeConfig, env={"KVMEMORY_INVARIANT": "1"}, invariant=False).invariant is False
+    with pytest.raises(InputError, match="KVMEMORY_INVARIANT"):
+        from_env(RuntimeConfig, env={"KVMEMORY_INVARIANT": "maybe"})

@@ -11,7 +11,8 @@ EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible servi
           "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP=true for plain HTTP). "
           "Environment: KVMEMORY_CACHE_DIR (converted model weights), KVMEMORY_LOCK_TIMEOUT (seconds a writer "
           "waits), KVMEMORY_HOST_CACHE_BYTES (the pager's host-RAM budget), KVMEMORY_STORE_CACHE_DIR and "
-          "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store); for a store being created: "
+          "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store), KVMEMORY_INVARIANT=1 (invariant "
+          "kernels, as --invariant); for a store being created: "
           "KVMEMORY_BLOCK_TOKENS (tokens per block, default 256; 64 for a store of chat memory), "
           "KVMEMORY_CODEC (none, zstd or lz4), KVMEMORY_SHARD_BLOCKS.")
 

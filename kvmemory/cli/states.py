@@ -120,7 +120,8 @@ def cmd_audit(args) -> int:
     else:
         for r in rows:
             if r.ok:
-                print(f"OK  {r.state}  {r.tokens} tokens  KL {r.kl:.1g}  vs one pass: max |dlogit| {r.vs_one_pass:.2g}")
+                print(f"OK  {r.state}  {r.tokens} tokens  KL {r.kl:.1g}  "
+                      f"vs one pass: max |dlogit| {r.vs_one_pass:.2g}")
             else:
                 print(f"BAD {r.state}  {r.error or f'restored differs from recomputed (KL {r.kl:.3g})'}")
         one = max((r.vs_one_pass for r in rows if not r.error), default=0.0)
