@@ -36,14 +36,14 @@ def _ids(rng, n):
 
 @torch.inference_mode()
 def prefill(model, ids, chunk):
-    from kvmemory.kv import make_cache
+    from kvmemory.kv import cache_slice, make_cache
     cache = make_cache(None, model.config)
     t = time.perf_counter()
     for s in range(0, len(ids), chunk):
         out = model(input_ids=torch.tensor([ids[s:s + chunk]]), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
     dt = time.perf_counter() - t
-    kv = torch.stack([torch.stack([la.keys, la.values]) for la in cache.layers])
+    kv = cache_slice(cache, 0, len(ids))
     return dt, kv, out.logits[0, -1], cache
 
 

@@ -115,24 +115,24 @@ class Memory:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
                            files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
         if store.manifest.fingerprint != self.fingerprint:
-            theirs, ours = store.manifest.model.get("kernels", "default"), self._kernels()
+            theirs = store.manifest.model.get("kernels", invariant_ops.DEFAULT)
+            ours = invariant_ops.kernels(self.model)
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
-                                              f"uses the {ours} ones: open it with invariant={theirs != 'default'}")
+                                              f"uses the {ours} ones: open it with "
+                                              f"invariant={theirs != invariant_ops.DEFAULT}")
             raise ModelMismatchError(store.manifest.fingerprint, self.fingerprint, self.location, hint)
         return store
-
-    def _kernels(self) -> str:
-        return invariant_ops.MODE if invariant_ops.installed(self.model) else "default"
 
     def _create_store(self, loc, store_config) -> BlockStore:
         cfg = store_config or from_env(StoreConfig)
         g = self.geometry
+        kernels = invariant_ops.kernels(self.model)
         manifest = Manifest(
             fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
             codec=cfg.codec, kv_dtype=g.dtype,
             model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
                    "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
-                   **({"kernels": self._kernels()} if self._kernels() != "default" else {})})
+                   **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {})})
         if loc.remote:
             return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
                                             cache_bytes=self.runtime.store_cache_bytes)

@@ -68,7 +68,7 @@ def fingerprint(model) -> str:
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE}
     named = {"config": cfg, "dtype": geo.dtype, "rope": geo.rope, "layout": KV_LAYOUT_VERSION}
     if invariant.installed(model):
-        named["kernels"] = invariant.MODE          # (absent for the default: their stores keep their fingerprints)
+        named["kernels"] = invariant.kernels(model)   # (absent for the default: their stores keep their fingerprints)
     h = xxhash.xxh3_128()
     h.update(json.dumps(named, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):

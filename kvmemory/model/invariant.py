@@ -40,6 +40,7 @@ from kvmemory.errors import ModelLoadError
 
 NAME = "kvmemory_invariant"
 MODE = "invariant-v1"            # recorded in the fingerprint and the store's header
+DEFAULT = "default"              # the header's name for the default kernels (the key is then absent)
 KEY_BLOCK = 256                  # keys per attention block
 QUERY_SLAB = 64                  # queries scored at once: speed and memory, not bits (2x faster than 256 here)
 # The reference CPU's BLAS (MKL sgemm, AVX-512) reduces a row of an [M, K] x [K, N] product the same
@@ -204,3 +205,8 @@ def install(model) -> None:
 
 def installed(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def kernels(model) -> str:
+    """The name of the kernels `model` computes with, as a store's header records it."""
+    return MODE if installed(model) else DEFAULT
