@@ -6,7 +6,12 @@ no shuffle, byte shuffle, bit shuffle) side by side on the same blocks: compress
 and decode GB/s (of uncompressed bytes; Blosc's own threads), every decode checked bit-exact.
 Then the store itself: the same document deposited into a raw, a zstd and an lz4 store
 (StoreConfig(codec=...)), its blocks read back verified from a cold page cache (median of
---reps), against the raw store's read.
+--reps), against the raw store's read. Then the compact tier (lossy, opt-in): the raw store
+compacted to bf16 and fp16 (`Memory.compact`), each copy's disk bytes, compaction time, cold
+verified read (decoded to fp32), and its error against the exact blocks: next-token KL and the
+greedy token at every chain end (one per deposit segment, plus the prelude), key/value relative
+error; and the KL of fresh 16-token suffixes after restoring each segment's chain from the copy
+against restoring it exact (a measure the compaction did not take: fresh inputs).
 
     python benchmarks/bench_codec.py --tokens 4096
 """
@@ -101,6 +106,57 @@ def store_reads(text: str, reps: int, tmp: Path) -> list[dict]:
     return out
 
 
+def compact_tier(tmp: Path, reps: int, rng: random.Random) -> list[dict]:
+    """The raw store compacted to bf16 and fp16: size, time, cold read, error against the exact blocks."""
+    import torch
+
+    import kvmemory
+    from kvmemory import kv as kvops
+    from kvmemory.compact import chain_ends
+    from kvmemory.exactness import kl_divergence
+    from kvmemory.store.blocks import BlockStore
+    exact_path = tmp / "none.kvm"
+    mem = kvmemory.Memory(exact_path, read_only=True)
+    rows = list(mem.store.manifest.docs["doc"].rows)
+    vocab = mem.model.get_input_embeddings().num_embeddings
+    ends = chain_ends(mem.store)
+    suffixes = [[rng.randrange(vocab) for _ in range(16)] for _ in ends]
+    out = []
+    for enc in ("bf16", "fp16"):
+        path = tmp / f"compact-{enc}.kvm"
+        t = time.perf_counter()
+        rep = mem.compact(path, enc)
+        compact_s = time.perf_counter() - t
+        times = []
+        for _ in range(reps):
+            method = drop_from_page_cache(path)
+            store = BlockStore.open(path, read_only=True)
+            t = time.perf_counter()
+            store.read_kv(rows)                               # digest-verified, decoded to fp32
+            times.append(time.perf_counter() - t)
+        copy = BlockStore.open(path, read_only=True)
+        fresh = []                                           # KL over fresh suffixes, every position
+        with torch.inference_mode():
+            for end, suf in zip(ends, suffixes):
+                chain = mem.store.chain(end)
+                logits = []
+                for st in (mem.store, copy):
+                    kv = kvops.from_storage(st.read_state_kv(chain), torch.float32)
+                    cache = kvops.make_cache(kv, mem.model.config)
+                    logits.append(mem.model(input_ids=torch.tensor([suf]), past_key_values=cache).logits[0])
+                fresh.append(kl_divergence(logits[0], logits[1]) / len(suf))
+        disk = sum(p.stat().st_size for p in (path / "data").rglob("*") if p.is_file())
+        out.append({"encoding": enc, "blocks": rep.blocks, "tokens": rep.tokens, "disk_bytes": disk,
+                    "compact_s": compact_s, "read_cold_s": statistics.median(times), "read_all_s": times,
+                    "evicted_by": method, "chains": rep.chains, "chains_same_top1": rep.chains_same_top1,
+                    "kl_max": rep.kl_max, "kl_mean": rep.kl_mean, "logit_diff_max": rep.logit_diff_max,
+                    "key_rel_error_max": rep.key_rel_error_max, "value_rel_error_max": rep.value_rel_error_max,
+                    "fresh_suffix_kl_per_token_max": max(fresh),
+                    "fresh_suffix_kl_per_token_mean": statistics.mean(fresh)})
+    mem.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens of fresh text prefilled (KV measured)")
@@ -125,8 +181,10 @@ def main() -> int:
         blocks16 = [torch.from_numpy(b).to(torch.bfloat16).view(torch.int16).numpy() for b in blocks32]
         table = {"float32": codec_table(blocks32, args.reps), "bfloat16": codec_table(blocks16, args.reps)}
         store = store_reads(text, args.reps, Path(tmp))
+        compact = compact_tier(Path(tmp), args.reps, rng)
     res = {"benchmark": "codec", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed,
-           "machine": describe(), "tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store}
+           "machine": describe(), "tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store,
+           "compact": compact}
     out = Path(args.out) / f"codec-{res['date']}{'-' + args.tag if args.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -140,6 +198,16 @@ def main() -> int:
     for s in store:
         print(f"| {s['codec']} | {s['tokens']} | {s['disk_bytes'] / s['kv_bytes']:.3f} | {s['read_cold_s'] * 1000:.0f} ms"
               f" | x{s['read_cold_s'] / base:.2f} |")
+    print("\n| compact tier | on disk / KV | compaction | cold verified read | vs raw | next-token KL max (mean) "
+          "| same greedy token | fresh-suffix KL/token max (mean) | key / value rel. error max |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for c in compact:
+        print(f"| {c['encoding']} | {c['disk_bytes'] / store[0]['kv_bytes']:.3f} | {c['compact_s']:.1f} s "
+              f"| {c['read_cold_s'] * 1000:.0f} ms | x{c['read_cold_s'] / base:.2f} | {c['kl_max']:.2g} "
+              f"({c['kl_mean']:.2g}) | {c['chains_same_top1']}/{c['chains']} "
+              f"| {c['fresh_suffix_kl_per_token_max']:.2g} "
+              f"({c['fresh_suffix_kl_per_token_mean']:.2g}) | {c['key_rel_error_max']:.2g} / "
+              f"{c['value_rel_error_max']:.2g} |")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -9,16 +9,17 @@
 Heavy dependencies (torch, transformers, zarr) load on first use of Memory.
 """
 
-from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError, MissingDependencyError,
-                             ModelLoadError, ModelMismatchError, StateNotFoundError, StoreCorruptError, StoreError, StoreExistsError,
-                             StoreLockedError,
-                             StoreReadOnlyError, VerificationError, WindowExceededError)
+from kvmemory.errors import (CompactStoreError, DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError,
+                             MissingDependencyError, ModelLoadError, ModelMismatchError, StateNotFoundError,
+                             StoreCorruptError, StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError,
+                             VerificationError, WindowExceededError)
 
 __version__ = "0.1.0"
 
-__all__ = ["DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError", "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
-           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreLockedError", "StoreReadOnlyError",
-           "VerificationError", "WindowExceededError", "__version__"]
+__all__ = ["CompactStoreError", "DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError",
+           "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
+           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreLockedError",
+           "StoreReadOnlyError", "VerificationError", "WindowExceededError", "__version__"]
 
 
 def __getattr__(name):  # lazy: `import kvmemory` stays light

@@ -206,6 +206,10 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
                       "first_token": first_token_s, "ttft": ttft, "decode": decode_s,
                       "total": time.perf_counter() - t0},
         "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
+        # a compact store: the worst measured error of the blocks grafted (prelude and slots)
+        "encoding": manifest.encoding,
+        "encoding_error": store.error_report([s.candidate.row for s in window.slots] +
+                                             store.chain(docs._prelude_state()[1])) if store.encoding.lossy else None,
     }
     return Answer(text, sources_of(window), stats,
                   window, to_host(logits).float())

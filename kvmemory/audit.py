@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.errors import InputError, KVMemoryError
+from kvmemory.errors import CompactStoreError, InputError, KVMemoryError
 from kvmemory.exactness import kl_divergence, max_abs_diff
 
 
@@ -44,6 +44,10 @@ def audit(mem, samples: int, seed: int | None = None, progress=None) -> tuple[in
     from kvmemory.model import invariant
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise InputError(f"samples must be an integer >= 1, got {samples!r}")
+    store = mem.require_store()
+    if store.encoding.lossy:
+        raise CompactStoreError(f"store {mem.location} holds {store.manifest.encoding}-encoded KV: E3 holds for exact "
+                                "stores only; its blocks' measured error is in `kvmemory info` (encoding_error)")
     seed = random.SystemRandom().randrange(2**31) if seed is None else int(seed)
     rng = random.Random(seed)
     states = sorted(s.id for s in mem.states())

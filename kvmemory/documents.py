@@ -401,6 +401,7 @@ class Documents:
         rows = [store.row_of(b) for b in chain]
         if all(r is not None for r in rows):
             return rows, None
+        store.require_exact()                # a compact store takes no new blocks (before any prefill)
         cache = prelude.cache()
         kv = []
         for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p):

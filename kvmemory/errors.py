@@ -49,6 +49,11 @@ class StoreLockedError(StoreError):
     """Another writer holds the store's lock and did not release it in time."""
 
 
+class CompactStoreError(StoreError):
+    """What a compact (lossy-encoded) store cannot do: take new blocks (they are encoded from an
+    exact store by `kvmemory compact`), or prove E3 (its blocks are not the exact KV)."""
+
+
 class StateNotFoundError(KVMemoryError, KeyError):
     """No committed state has the given id."""
 

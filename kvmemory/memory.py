@@ -379,6 +379,15 @@ class Memory:
 
     @torch.inference_mode()
     @_locked
+    def compact(self, dest, encoding: str = "fp16", progress=None):
+        """Write a compact copy of this (exact) store at `dest`, a new local directory: every block
+        encoded ("fp16", the default, or "bf16": half the bytes of fp32 KV), its error against the exact block
+        measured and kept with it (kvmemory/compact.py). Returns a CompactReport. The copy opens
+        like any store; every graft from it reports its error, and it takes no new blocks."""
+        from kvmemory.compact import compact
+        return compact(self, dest, encoding, progress)
+
+    @_locked
     def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
         """E1 (and with recompute=True, E2) over every committed block. Returns [(row, reason)]."""
         return self.states_room.verify(recompute, progress)

@@ -43,6 +43,8 @@ class State:
         self._config = config
         self._device = torch.device(device)
         self.reused_tokens = 0          # save(): how many of its tokens came from the store
+        # from a compact store: the measured error of its blocks against their exact KV (None: exact)
+        self.encoding_error: dict | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -116,6 +118,8 @@ class States:
         have = 0
         while have < len(chain) and store.row_of(chain[have]) is not None:
             have += 1
+        if have < len(chain):
+            store.require_exact()            # a compact store takes no new blocks (before any prefill)
         prefix = self.read_chain([store.row_of(b) for b in chain[:have]])
         computed: dict[int, torch.Tensor] = {}
         reused = min(have * C, len(ids))
@@ -142,6 +146,7 @@ class States:
         kv = torch.cat(parts, dim=3) if len(parts) > 1 else prefix
         st = State(state_id, ids, kv, self.model.config, label, self.model.device)
         st.reused_tokens = reused          # tokens read back from the store instead of computed
+        st.encoding_error = store.error_report([store.row_of(b) for b in chain])
         return st
 
     def read_chain(self, rows: list[int]) -> torch.Tensor:
@@ -182,7 +187,9 @@ class States:
                                    parent=store.manifest.root_of(rows[0]) if rows else hashing.ROOT_PARENT)
         if [b.tobytes() for b in meta["block_id"]] != expect or len(ids) != entry.n_tokens:
             raise StoreCorruptError(f"store {self.location}: state {sid}'s block ids do not match its tokens")
-        return State(sid, ids, self.read_chain(rows), self.model.config, entry.label, self.model.device)
+        st = State(sid, ids, self.read_chain(rows), self.model.config, entry.label, self.model.device)
+        st.encoding_error = store.error_report(rows)
+        return st
 
     def forget_states(self, state_ids) -> int:
         """Remove states from the store's list (their blocks stay until gc, and are kept while another
@@ -239,7 +246,11 @@ class States:
                 stored = self.read_chain([row])
             except StoreError:            # reported by E1 above; descendants continue from the recomputed KV
                 stored = None
-            if stored is not None and row not in e1_bad and not torch.equal(to_host(fresh), stored):
+            # a compact store holds the recomputed words encoded (decoding widens exactly: equal
+            # decoded words are equal stored words)
+            expect = fresh if not store.encoding.lossy else kvops.from_storage(
+                store.encoding.roundtrip(kvops.to_storage(fresh)), self.kv_dtype)
+            if stored is not None and row not in e1_bad and not torch.equal(to_host(expect), stored):
                 bad.append((row, f"block {name} (row {row}): recomputed KV differs from the stored bytes"))
                 kvops.truncate(cache, before)
                 kvops.extend(cache, to_model(stored, self.model))   # descendants: against the stored truth

@@ -1,7 +1,8 @@
-"""bench_flat_access.py, bench_qa.py, bench_invariant.py and bench_select.py run end to end at a
+"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py and bench_codec.py run end to end at a
 tiny size (so they do not rot), and what they report holds: the window's grafted tokens stay
 within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
-invariant mode is exact, and probing every IVF list is the exact search."""
+invariant mode is exact, probing every IVF list is the exact search, and the compact tier is half the
+bytes at a small, measured error."""
 
 import json
 import subprocess
@@ -71,3 +72,19 @@ def test_bench_select_sweeps_ivf_probes(tmp_path):
     assert few["nprobe"] == 2 and every["nprobe"] == row["ivf_nlist"]           # capped at the lists there are
     assert every["top_window_overlap_with_flat"] == 1.0                          # every list probed: exact
     assert few["top_window_overlap_with_flat"] < 1.0
+
+
+@pytest.mark.real_model
+def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_codec.py", "--tokens", "700", "--reps", "1",
+                        "--out", str(tmp_path), "--seed", "5"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("codec-*.json")).read_text())
+    raw = next(s for s in res["store"] if s["codec"] == "none")
+    assert [c["encoding"] for c in res["compact"]] == ["bf16", "fp16"]
+    for c in res["compact"]:
+        assert 0.4 < c["disk_bytes"] / raw["disk_bytes"] < 0.6 and c["blocks"] > raw["blocks"]   # + the prelude
+        assert 0 < c["kl_mean"] <= c["kl_max"] < 1e-2 and 0 < c["fresh_suffix_kl_per_token_max"] < 1e-2
+        assert c["chains_same_top1"] <= c["chains"] and c["chains"] >= 2
+    bf16, fp16 = res["compact"]
+    assert fp16["key_rel_error_max"] < bf16["key_rel_error_max"]      # 11 significant bits against 8

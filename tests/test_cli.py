@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve"]
+SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "compact", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve"]
 
 
 def run(*args, stdin=None, timeout=600):

@@ -1,4 +1,4 @@
-"""`kvmemory` commands. States: save, generate, info, verify, audit, demo. Each command's parser sits beside its handler."""
+"""`kvmemory` commands. States: save, generate, info, verify, audit, compact, demo. Each command's parser sits beside its handler."""
 
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def register(add) -> None:
     sp.add_argument("--seed", type=int, default=None, help="which states and suffixes (default: fresh, printed)")
     sp.add_argument("--json", action="store_true", help="print JSON")
 
+    sp = add("compact", cmd_compact, "write a compact copy of a store (half the bytes, lossy) with each block's "
+             "error measured",
+             "Write a new store at DEST holding STORE's blocks encoded (fp16: an fp32 model's KV rounded to "
+             "IEEE half; bf16: to bfloat16), for cold storage. Every block's error is measured against its exact "
+             "KV (key and value relative error; next-token KL at the end of every state and deposit segment, one "
+             "forward each) and kept with it; every graft from the copy reports it, `info` shows it and the bytes "
+             "saved. The copy is built beside DEST and appears whole or not at all; STORE is only read. The copy "
+             "takes no new blocks: add to STORE and compact again.", model=True)
+    sp.add_argument("dest", metavar="DEST", help="a new directory for the compact copy")
+    sp.add_argument("--encoding", choices=("fp16", "bf16"), default="fp16",
+                    help="fp16 (11 significant bits, |x| <= 65504: a block past it is refused; default: 100-200x less "
+                         "KL than bf16 on the default model, benchmarks/bench_codec.py) or bf16 (fp32's range, 8 bits)")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+
     sp = add("demo", cmd_demo, "save real states, restore them, show bit-exactness and restore-vs-recompute time",
              "Save a few real prompts with the default model, restore them from disk, check that the next-token "
              "logits are bit-identical to a fresh computation, and time restore against recompute.", store=False)
@@ -78,6 +92,10 @@ def cmd_save(args) -> int:
 def cmd_generate(args) -> int:
     with open_memory(args, read_only=True) as mem:
         print(mem.generate(args.state_id, args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+        if mem.store.encoding.lossy:          # never silently: what the compact blocks cost
+            err = mem.load(args.state_id).encoding_error
+            print(f"note: state restored from {err['encoding']}-encoded blocks: next-token KL <= {err['kl_max']:.3g} "
+                  "against the exact blocks (measured at compaction)", file=sys.stderr)
     return 0
 
 
@@ -88,11 +106,18 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    for k in ("path", "model", "fingerprint", "states", "blocks", "block_tokens", "codec", "kv_dtype"):
+    for k in ("path", "model", "fingerprint", "states", "blocks", "block_tokens", "codec", "kv_dtype", "encoding"):
         print(f"{k:18} {info[k]}")
-    print(f"{'kv_bytes':18} {info['kv_bytes']:,} ({info['kv_bytes'] / 2**20:.1f} MiB)")
-    print(f"{'disk_bytes':18} {info['disk_bytes']:,} ({info['disk_bytes'] / 2**20:.1f} MiB)")
+    for k in ("kv_bytes", "disk_bytes", "bytes_saved"):
+        print(f"{k:18} {info[k]:,} ({info[k] / 2**20:.1f} MiB)")
     print(f"{'compression_ratio':18} {info['compression_ratio']:.3f}  (kv_bytes / disk_bytes; padding of partial blocks counts)")
+    err = info.get("encoding_error")
+    if err is not None:
+        def num(x):
+            return "not measured" if x is None else f"{x:.3g}"
+        print(f"{'encoding_error':18} lossy ({err['encoding']}), measured against the exact blocks: next-token KL "
+              f"<= {num(err['kl_max'])}, key rel. error <= {num(err['key_rel_error_max'])}, value rel. error <= "
+              f"{num(err['value_rel_error_max'])}")
     for s in info.get("state_list", []):
         print(f"  {s['id']}  {s['n_tokens']:6d} tokens  {s['label']}")
     return 0
@@ -130,6 +155,24 @@ def cmd_audit(args) -> int:
               f"({'required to be 0' if kernels != 'default' else 'a different computation, not required'}); "
               f"seed {seed}")
     return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_compact(args) -> int:
+    _store_mode(args)
+    with open_memory(args, read_only=True) as mem:
+        with progress(2 * mem.store.n_blocks, "compact") as bar:
+            rep = mem.compact(args.dest, encoding=args.encoding, progress=bar)
+    if args.json:
+        print(json.dumps(rep.__dict__ | {"bytes_saved": rep.bytes_saved}, indent=1))
+        return 0
+    print(f"{rep.path}: {rep.blocks} blocks ({rep.tokens:,} tokens) as {rep.encoding}, in {rep.seconds:.1f} s")
+    print(f"  disk {rep.source_disk_bytes / 2**20:,.1f} MiB -> {rep.disk_bytes / 2**20:,.1f} MiB "
+          f"(saved {rep.bytes_saved / 2**20:,.1f} MiB; exact KV {rep.kv_bytes / 2**20:,.1f} MiB)")
+    print(f"  error against the exact blocks: next-token KL max {rep.kl_max:.3g}, mean {rep.kl_mean:.3g} over "
+          f"{rep.chains} chain ends (max |dlogit| {rep.logit_diff_max:.3g}; the same greedy token at "
+          f"{rep.chains_same_top1}/{rep.chains}); key rel. error <= "
+          f"{rep.key_rel_error_max:.3g}, value rel. error <= {rep.value_rel_error_max:.3g}")
+    return 0
 
 
 def cmd_verify(args) -> int:

@@ -4,7 +4,7 @@ rest (a 500 that names only the exception's type)."""
 
 from __future__ import annotations
 
-from kvmemory.errors import (DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError, StateNotFoundError,
+from kvmemory.errors import (CompactStoreError, DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError, StateNotFoundError,
                              VerificationError, WindowExceededError)
 
 CUSTOM_CODES = {"missing_required_parameter", "unsupported_parameter", "invalid_value"}
@@ -74,6 +74,8 @@ def from_exception(e: Exception) -> ApiError:
         return ApiError(404, str(e), code="not_found")
     if isinstance(e, EmptyStoreError):
         return ApiError(409, str(e), code="no_documents")
+    if isinstance(e, CompactStoreError):          # a compact store served read-only: writes conflict with it
+        return ApiError(409, str(e), code="compact_store")
     if isinstance(e, VerificationError):
         return ApiError(422, str(e), code="verification_failed")
     if isinstance(e, WindowExceededError):

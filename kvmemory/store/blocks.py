@@ -30,11 +30,21 @@ from kvmemory.store.commit import CommitMixin
 from kvmemory.store.durable import fsync_dir, fsync_tree
 from kvmemory.store.files import LocalFiles
 from kvmemory.store.gc import GcMixin
-from kvmemory.store.layout import ARRAYS, META_ARRAYS, ROW_CAPACITY, block_digest, create_arrays, runs
+from kvmemory.store import encoding as encodings
+from kvmemory.store.layout import ROW_CAPACITY, arrays, block_digest, create_arrays, meta_arrays, runs
 from kvmemory.store.location import locate
 from kvmemory.store.lock import writer_lock
 from kvmemory.store.log import read_manifest, read_new_records, write_header
 from kvmemory.store.manifest import LOG_DIR, MANIFEST_NAME, CommitRecord, Manifest
+
+
+def error_summary(encoding: str, err: np.ndarray) -> dict:
+    """The worst of per-block errors [k, 3]: how a graft of those blocks is reported."""
+    def worst(col: int) -> float | None:          # None: a block's error was not measured
+        c = err[:, col]
+        return None if np.isnan(c).any() else (float(c.max()) if len(c) else 0.0)
+    return {"encoding": encoding, "blocks": int(len(err)), "kl_max": worst(2),
+            "key_rel_error_max": worst(0), "value_rel_error_max": worst(1)}
 
 
 class BlockStore(CommitMixin, GcMixin):
@@ -55,6 +65,7 @@ class BlockStore(CommitMixin, GcMixin):
         # the disk cache tier of a store elsewhere: direct reads go to local copies of its shards
         self.cache = ShardCache(self.files, self.root / "cache", cache_bytes) if self.remote else None
         self.manifest = read_manifest(self.files)
+        self.encoding = encodings.get(self.manifest.encoding, self.manifest.kv_dtype)
         self._open_arrays()
         self._chunks: dict[int, dict[str, np.ndarray]] = {}   # metadata chunk -> arrays (committed: immutable)
         self._ids: dict[bytes, int] | None = None             # built on first row_of
@@ -109,7 +120,7 @@ class BlockStore(CommitMixin, GcMixin):
         try:
             store = self.files.zarr_store("data", read_only=True)
             g = zarr.open_group(store=store, mode="r", zarr_format=3)
-            self._arr = {name: g[name] for name in ARRAYS}
+            self._arr = {name: g[name] for name in arrays(self.manifest)}
         except Exception as e:  # zarr raises many types for a damaged group; name the store
             raise StoreCorruptError(f"store {self.name}: cannot open its Zarr arrays: {e}") from None
         for name, a in self._arr.items():
@@ -190,12 +201,12 @@ class BlockStore(CommitMixin, GcMixin):
         with self._mutex:
             need = sorted({r // S for r in rows} - self._chunks.keys())
             for c0, c1 in runs(need):
-                parts = {name: self._read(name, c0 * S, c1 * S) for name in META_ARRAYS}
+                parts = {name: self._read(name, c0 * S, c1 * S) for name in meta_arrays(self.manifest)}
                 for c in range(c0, c1):
                     self._chunks[c] = {name: a[(c - c0) * S:(c - c0 + 1) * S] for name, a in parts.items()}
             chunks = self._chunks
         out = {}
-        for name in META_ARRAYS:
+        for name in meta_arrays(self.manifest):
             a = self._arr[name]
             buf = np.empty((len(rows), *a.shape[1:]), a.dtype)
             for i, r in enumerate(rows):
@@ -238,10 +249,15 @@ class BlockStore(CommitMixin, GcMixin):
                 raise StoreCorruptError(f"store {self.name}: row {r} {why}")
 
     def read_kv(self, rows: Sequence[int], verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """KV of committed rows, digest-checked. Returns (kv [k, L, 2, H, C, D], n_tokens [k]).
+        """KV of committed rows, digest-checked. Returns (kv [k, L, 2, H, C, D], n_tokens [k]): the
+        model's KV words (a store that is not exact: decoded, after the stored words' digests).
 
         Raises StoreCorruptError naming the first bad block.
         """
+        kv, n = self._read_stored(rows, verify)
+        return self.encoding.decode(kv), n
+
+    def _read_stored(self, rows: Sequence[int], verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
         rows = [int(r) for r in rows]
         self._check_committed(rows)
         meta = self.block_meta(rows)
@@ -262,7 +278,8 @@ class BlockStore(CommitMixin, GcMixin):
         return kv, meta["n_tokens"]
 
     def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:
-        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words."""
+        """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words
+        (of the model's KV: a store that is not exact decodes them)."""
         rows = [int(r) for r in rows]
         self._check_committed(rows)
         meta = self.block_meta(rows)
@@ -272,14 +289,27 @@ class BlockStore(CommitMixin, GcMixin):
         if self._direct is None:      # compressed chunks: zarr decodes, then one concatenation
             res = np.zeros(want, dtype=self._arr["kv"].dtype)
             if rows:
-                kv, _ = self.read_kv(rows)
+                kv, _ = self._read_stored(rows)
                 np.concatenate([kv[i][:, :, :, :n[i]] for i in range(len(rows))], axis=3, out=res)
             return res
         res = shards.host_buffer(want, self._arr["kv"].dtype)
         self._cached_read(rows, lambda: shards.read_state(
             self._kv_dir, rows, n, [d.tobytes() for d in meta["digest"]], [b.tobytes().hex() for b in meta["block_id"]],
             res, self._direct.per_shard))
-        return res
+        return self.encoding.decode(res)
+
+    def errors(self, rows: Sequence[int]) -> np.ndarray | None:
+        """The measured error of each row's block ([k, 3]: encoding.ERROR_FIELDS), None in an exact store."""
+        return self.block_meta(rows)["error"] if self.encoding.lossy else None
+
+    def error_report(self, rows: Sequence[int]) -> dict | None:
+        """What grafting these rows costs against their exact blocks (None in an exact store): the
+        largest per-block error measured when they were encoded (kvmemory/compact.py)."""
+        if not self.encoding.lossy:
+            return None
+        rows = list(dict.fromkeys(int(r) for r in rows))
+        err = self.errors(rows) if rows else np.zeros((0, 3), np.float32)
+        return error_summary(self.encoding.name, err)
 
     def _check_digests(self, rows: list[int], kv: np.ndarray, meta: dict) -> None:
         for i, r in enumerate(rows):

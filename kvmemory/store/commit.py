@@ -20,8 +20,8 @@ import numpy as np
 import zarr
 
 from kvmemory import hashing
-from kvmemory.errors import StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError
-from kvmemory.store.layout import ARRAYS, INDEX_DIR, block_digest, chunk_keys
+from kvmemory.errors import CompactStoreError, StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError
+from kvmemory.store.layout import INDEX_DIR, arrays, block_digest, chunk_keys
 from kvmemory.store.lock import writer_lock
 from kvmemory.store.log import write_record, write_snapshot
 from kvmemory.store.manifest import LOG_DIR, SNAPSHOT_EVERY, CommitRecord, DocEntry, Manifest, StateEntry
@@ -40,6 +40,7 @@ class NewBlock:
     positions: np.ndarray   # [n] int
     kv: np.ndarray
     root: bytes = hashing.ROOT_PARENT   # parent id of a chain's first block (parent_row -1): a salted root
+    error: tuple[float, float, float] | None = None   # a compact store's: the block's measured error
 
 
 @dataclass
@@ -81,6 +82,13 @@ class CommitMixin:
                 finally:
                     self._lock_depth = 0
 
+    def require_exact(self) -> None:
+        """CompactStoreError unless this store holds exact KV: a compact store takes no new blocks."""
+        if self.encoding.lossy:
+            raise CompactStoreError(
+                f"store {self.name} holds {self.manifest.encoding}-encoded (lossy) KV, written by `kvmemory "
+                "compact` only: add to the exact store it was made from, and compact that again")
+
     def commit(self, build: Callable[["CommitMixin"], Change],
                after: Callable[[Manifest], None] | None = None) -> Manifest:
         """Run one write transaction under the writer lock.
@@ -104,6 +112,8 @@ class CommitMixin:
                 m = self.manifest
                 if ch.empty:
                     return m
+                if ch.blocks:
+                    self.require_exact()
                 start = m.next_row
                 if ch.blocks and not self.files.exclusive:
                     # no lock across machines: claim shards of our own (create-only), then move the
@@ -219,7 +229,7 @@ class CommitMixin:
     def _writable_arrays(self) -> dict[str, zarr.Array]:
         if self._writable is None:
             g = zarr.open_group(store=self.files.zarr_store("data", read_only=False), mode="r+", zarr_format=3)
-            self._writable = {name: g[name] for name in ARRAYS}
+            self._writable = {name: g[name] for name in arrays(self.manifest)}
         return self._writable
 
     def _append(self, start: int, blocks: list[NewBlock]) -> list[str]:
@@ -227,7 +237,7 @@ class CommitMixin:
         arrs = self._writable_arrays()
         k = len(blocks)
         S, C = self.manifest.shard_blocks, self.manifest.block_tokens
-        files = chunk_keys(start // S, (start + k - 1) // S)
+        files = chunk_keys(start // S, (start + k - 1) // S, arrays(self.manifest))
         if self.files.exclusive:                     # (otherwise these shards are freshly claimed)
             for f in files:                          # leftovers of an interrupted commit: never merged
                 self.files.remove(f)
@@ -235,6 +245,7 @@ class CommitMixin:
         tokens = np.full((k, C), -1, np.int32)
         positions = np.full((k, C), -1, np.int32)
         digests = np.zeros((k, hashing.ID_BYTES), np.uint8)
+        errors = np.full((k, 3), np.nan, np.float32)
         for i, b in enumerate(blocks):
             n = len(b.tokens)
             if b.kv.shape != (*kv.shape[1:4], n, kv.shape[5]) or b.kv.dtype != kv.dtype:
@@ -244,6 +255,8 @@ class CommitMixin:
             tokens[i, :n] = b.tokens
             positions[i, :n] = b.positions
             digests[i] = np.frombuffer(block_digest(kv[i], n), np.uint8)
+            if b.error is not None:
+                errors[i] = b.error
         sl = slice(start, start + k)
         try:
             with zarr.config.set({"array.write_empty_chunks": True}):   # an all-zero block is still a block
@@ -254,6 +267,8 @@ class CommitMixin:
                 arrs["n_tokens"][sl] = np.array([len(b.tokens) for b in blocks], np.int32)
                 arrs["block_id"][sl] = np.stack([np.frombuffer(b.block_id, np.uint8) for b in blocks])
                 arrs["digest"][sl] = digests
+                if "error" in arrs:
+                    arrs["error"][sl] = errors
             self.files.sync(files, "data")
         except Exception as e:
             for f in files:
@@ -272,7 +287,8 @@ class CommitMixin:
         """Remove what interrupted writes left (temp files, data files past the last commit), where
         the writer lock governs every writer (the files' clean_leftovers says what that is). Called
         under the writer lock on a writer's first commit. Returns the files removed."""
-        removed = self.files.clean_leftovers(self.manifest.next_row // self.manifest.shard_blocks, ARRAYS,
+        removed = self.files.clean_leftovers(self.manifest.next_row // self.manifest.shard_blocks,
+                                             arrays(self.manifest),
                                              ("data", LOG_DIR, INDEX_DIR))
         self._cleaned = True
         return removed

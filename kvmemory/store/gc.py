@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvmemory.errors import StoreError
 from kvmemory.store import shards
 from kvmemory.store.durable import unlink
-from kvmemory.store.layout import chunk_keys
+from kvmemory.store.layout import arrays, chunk_keys
 from kvmemory.store.log import write_record
 from kvmemory.store.manifest import CommitRecord
 
@@ -73,7 +73,7 @@ class GcMixin:
         for shard in sorted({r // S for r in m.freed}):
             rows = range(shard * S, (shard + 1) * S)
             keep = [r - shard * S for r in rows if m.is_committed(r)]
-            files = [self.root / k for k in chunk_keys(shard, shard)]
+            files = [self.root / k for k in chunk_keys(shard, shard, arrays(self.manifest))]
             kv_file = files[0]
             if not kv_file.exists():
                 continue

@@ -10,7 +10,9 @@ Layout of a store directory:
       parent    [R] int64   row of the previous block, -1 at position 0
       n_tokens  [R] int32
       block_id  [R, 16] uint8  hash(fingerprint, parent id, tokens, positions)
-      digest    [R, 16] uint8  xxh3-128 of the block's valid KV bytes
+      digest    [R, 16] uint8  xxh3-128 of the block's valid KV bytes (as stored: encoded)
+      error     [R, 3] float32 a compact store's only (not exact): each block's measured error
+                               (kvmemory/store/encoding.py ERROR_FIELDS, kvmemory/compact.py)
     index/                   selection indexes (derived data)
     .lock                    writer lock
 
@@ -41,7 +43,16 @@ STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16
 ROW_CAPACITY = 1 << 32
 META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest")
 ARRAYS = ("kv", *META_ARRAYS)
-NDIM = {"kv": 6, "tokens": 2, "positions": 2, "parent": 1, "n_tokens": 1, "block_id": 2, "digest": 2}
+NDIM = {"kv": 6, "tokens": 2, "positions": 2, "parent": 1, "n_tokens": 1, "block_id": 2, "digest": 2, "error": 2}
+
+
+def meta_arrays(m: Manifest) -> tuple[str, ...]:
+    """The block metadata arrays of a store: a store that is not exact also keeps each block's error."""
+    return META_ARRAYS + (("error",) if m.encoding != "exact" else ())
+
+
+def arrays(m: Manifest) -> tuple[str, ...]:
+    return ("kv", *meta_arrays(m))
 INDEX_DIR = "index"                       # the selection indexes (derived data, written under the writer lock)
 
 
@@ -60,7 +71,8 @@ def create_arrays(zstore, m: Manifest) -> None:
         codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")]
     elif m.codec == "lz4":
         codecs = [zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")]
-    g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=STORAGE_DTYPE[m.kv_dtype],
+    from kvmemory.store.encoding import get
+    g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=get(m.encoding, m.kv_dtype).storage_dtype,
                    chunks=(1, *kv_shape), shards=(S, *kv_shape), compressors=codecs, fill_value=0)
     meta_codec = [zarr.codecs.ZstdCodec(level=1)]      # the fill of a partly used chunk costs nothing
     for name, shape, dtype, fill in (
@@ -70,6 +82,9 @@ def create_arrays(zstore, m: Manifest) -> None:
     ):
         g.create_array(name, shape=(ROW_CAPACITY, *shape), dtype=dtype, chunks=(S, *shape),
                        compressors=meta_codec, fill_value=fill)
+    if m.encoding != "exact":
+        g.create_array("error", shape=(ROW_CAPACITY, 3), dtype="float32", chunks=(S, 3),
+                       compressors=meta_codec, fill_value=float("nan"))
 
 
 def block_digest(kv_block: np.ndarray, n: int) -> bytes:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from kvmemory.errors import StoreCorruptError
 from kvmemory.hashing import ROOT_PARENT
 
+ENCODINGS = ("exact", "bf16", "fp16")   # kvmemory/store/encoding.py (this module stays free of numpy)
+
 FORMAT = "kvmemory-store"
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -118,6 +120,7 @@ class Manifest:
     shard_blocks: int
     codec: str
     kv_dtype: str                  # torch dtype name of the KV ("float32", "bfloat16", ...)
+    encoding: str = "exact"        # how the KV words are held (kvmemory/store/encoding.py)
     commit: int = 0
     states: dict[str, StateEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
@@ -182,7 +185,9 @@ class Manifest:
 
     # ------------------------------------------------------------------ header
     def header(self) -> dict:
-        return {k: getattr(self, k) for k in HEADER_FIELDS}
+        # an exact store's header is what it always was; another encoding is named
+        return {k: getattr(self, k) for k in HEADER_FIELDS} | \
+            ({"encoding": self.encoding} if self.encoding != "exact" else {})
 
     def header_json(self) -> str:
         return json.dumps(self.header(), indent=1, sort_keys=True)
@@ -265,7 +270,10 @@ class Manifest:
             if raw.get("version") != FORMAT_VERSION:
                 raise StoreCorruptError(
                     f"{where} has format version {raw.get('version')}, this kvmemory reads {FORMAT_VERSION}")
-            return cls(**{k: raw[k] for k in HEADER_FIELDS})
+            encoding = raw.get("encoding", "exact")
+            if encoding not in ENCODINGS:
+                raise StoreCorruptError(f"{where} names KV encoding {encoding!r}; this kvmemory reads {ENCODINGS}")
+            return cls(**{k: raw[k] for k in HEADER_FIELDS}, encoding=encoding)
         except StoreCorruptError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
