@@ -19,6 +19,8 @@ Side by side on the same questions (one run, one machine):
     kv-end     A/B of the KV window: the recalled turns closed with <|im_end|> (2 tokens prefilled)
     kv-head    ... with their prelude grafted before them (a user message of their own) and closed
     kv-head0   ... with their prelude grafted, not closed
+    kv-rR      KV recall with a fraction R of the grafted turns' tokens recomputed in the window
+               (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0.15, kv-r1 (all of them)
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -259,6 +261,14 @@ def answer(mem, cm, u, q, msgs, c, args):
                             remember=False)
         finally:
             cm.graft_head, cm.foot_text = saved
+    if c.startswith("kv-r"):                           # the same recall, a fraction of it recomputed
+        saved = cm.recompute
+        cm.recompute = float(c[4:])
+        try:
+            return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_="kv", k=args.k,
+                            remember=False)
+        finally:
+            cm.recompute = saved
     if c in ("none", "text", "kv"):
         return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=c, k=args.k, remember=False)
     if c == "full":

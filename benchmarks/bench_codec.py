@@ -106,7 +106,27 @@ def store_reads(text: str, reps: int, tmp: Path) -> list[dict]:
     return out
 
 
-def compact_tier(tmp: Path, reps: int, rng: random.Random) -> list[dict]:
+def encoding_speed(blocks: list[np.ndarray], reps: int) -> dict:
+    """Encode and decode GB/s (of fp32 bytes) of each compact encoding on the same blocks."""
+    from kvmemory.store import encoding as encodings
+    raw = sum(b.nbytes for b in blocks)
+    out = {}
+    for name in ("bf16", "fp16"):
+        e = encodings.get(name, "float32")
+        enc, dec = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            packed = [e.encode(b) for b in blocks]
+            enc.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            back = [e.decode(p) for p in packed]
+            dec.append(time.perf_counter() - t)
+        assert all(np.array_equal(e.encode(x), p) for x, p in zip(back, packed))   # decoding widens exactly
+        out[name] = {"encode_GBps": raw / statistics.median(enc) / 1e9, "decode_GBps": raw / statistics.median(dec) / 1e9}
+    return out
+
+
+def compact_tier(tmp: Path, reps: int, rng: random.Random, speed: dict) -> list[dict]:
     """The raw store compacted to bf16 and fp16: size, time, cold read, error against the exact blocks."""
     import torch
 
@@ -146,7 +166,7 @@ def compact_tier(tmp: Path, reps: int, rng: random.Random) -> list[dict]:
                     logits.append(mem.model(input_ids=torch.tensor([suf]), past_key_values=cache).logits[0])
                 fresh.append(kl_divergence(logits[0], logits[1]) / len(suf))
         disk = sum(p.stat().st_size for p in (path / "data").rglob("*") if p.is_file())
-        out.append({"encoding": enc, "blocks": rep.blocks, "tokens": rep.tokens, "disk_bytes": disk,
+        out.append({"encoding": enc, **speed[enc], "blocks": rep.blocks, "tokens": rep.tokens, "disk_bytes": disk,
                     "compact_s": compact_s, "read_cold_s": statistics.median(times), "read_all_s": times,
                     "evicted_by": method, "chains": rep.chains, "chains_same_top1": rep.chains_same_top1,
                     "kl_max": rep.kl_max, "kl_mean": rep.kl_mean, "logit_diff_max": rep.logit_diff_max,
@@ -181,7 +201,7 @@ def main() -> int:
         blocks16 = [torch.from_numpy(b).to(torch.bfloat16).view(torch.int16).numpy() for b in blocks32]
         table = {"float32": codec_table(blocks32, args.reps), "bfloat16": codec_table(blocks16, args.reps)}
         store = store_reads(text, args.reps, Path(tmp))
-        compact = compact_tier(Path(tmp), args.reps, rng)
+        compact = compact_tier(Path(tmp), args.reps, rng, encoding_speed(blocks32, args.reps))
     res = {"benchmark": "codec", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed,
            "machine": describe(), "tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store,
            "compact": compact}
@@ -198,11 +218,12 @@ def main() -> int:
     for s in store:
         print(f"| {s['codec']} | {s['tokens']} | {s['disk_bytes'] / s['kv_bytes']:.3f} | {s['read_cold_s'] * 1000:.0f} ms"
               f" | x{s['read_cold_s'] / base:.2f} |")
-    print("\n| compact tier | on disk / KV | compaction | cold verified read | vs raw | next-token KL max (mean) "
-          "| same greedy token | fresh-suffix KL/token max (mean) | key / value rel. error max |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("\n| compact tier | encode / decode GB/s | on disk / KV | compaction | cold verified read | vs raw "
+          "| next-token KL max (mean) | same greedy token | fresh-suffix KL/token max (mean) "
+          "| key / value rel. error max |\n|---|---|---|---|---|---|---|---|---|---|")
     for c in compact:
-        print(f"| {c['encoding']} | {c['disk_bytes'] / store[0]['kv_bytes']:.3f} | {c['compact_s']:.1f} s "
+        print(f"| {c['encoding']} | {c['encode_GBps']:.2f} / {c['decode_GBps']:.2f} "
+              f"| {c['disk_bytes'] / store[0]['kv_bytes']:.3f} | {c['compact_s']:.1f} s "
               f"| {c['read_cold_s'] * 1000:.0f} ms | x{c['read_cold_s'] / base:.2f} | {c['kl_max']:.2g} "
               f"({c['kl_mean']:.2g}) | {c['chains_same_top1']}/{c['chains']} "
               f"| {c['fresh_suffix_kl_per_token_max']:.2g} "

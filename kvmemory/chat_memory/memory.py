@@ -31,6 +31,7 @@ from kvmemory.documents import USER_DOCS, PromptLayout, Scope
 from kvmemory.errors import InputError
 
 USERS_DIR = "users"
+RECOMPUTE = 0.0
 
 
 def drop_forgotten_users(store, path) -> list[str]:
@@ -122,6 +123,10 @@ class ChatMemory:
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
         self.graft_head = self.layout == "system"
+        # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
+        # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
+        # conversation; 0: none (the default, chosen by measurement: benchmarks/bench_chat_memory.py)
+        self.recompute = RECOMPUTE
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"kvmemory:chat-memory:{self.key}", head=head)
 

@@ -108,13 +108,27 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
         _, last = cm.docs._prelude_state()
         head = mem.require_store().chain(last)
     foot = (mem.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
-    kv, grafted, rerotated, _ = graft_after(mem, prefix_kv, head + [r for h in hits for r in h.rows],
-                                            mem.documents.freqs)
-    cache = kvops.make_cache(kv.to(mem.model.device), mem.model.config)
-    logits = kvops.last_logits(mem.model, ids_tensor(foot, mem.model), cache)
-    return Window(prefix_ids + tail, cache, logits, cached + grafted, states, hits,
-                  _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot),
-                         kv.shape[3] + len(foot), recall_s))
+    rows = head + [r for h in hits for r in h.rows]
+    kv, grafted, rerotated, _ = graft_after(mem, prefix_kv, rows, mem.documents.freqs)
+    recomputed = 0
+    if cm.recompute > 0 and grafted:
+        # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
+        # conversation before them; the prefix stays exact
+        from kvmemory.blend import blend_prefill
+        meta = mem.require_store().block_meta(rows)
+        ctx_ids = list(prefix_ids) + [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+        r = min(1.0, cm.recompute * grafted / len(ctx_ids))          # of the grafted tokens, not the window
+        logits, kv, bs = blend_prefill(mem.model, kv.to(mem.model.device), ctx_ids, foot, r,
+                                       exact_tokens=len(prefix_ids))
+        recomputed = bs.recomputed
+        cache = kvops.make_cache(kv, mem.model.config)
+    else:
+        cache = kvops.make_cache(kv.to(mem.model.device), mem.model.config)
+        logits = kvops.last_logits(mem.model, ids_tensor(foot, mem.model), cache)
+    window = cache.get_seq_length()
+    return Window(prefix_ids + tail, cache, logits, cached + grafted - recomputed, states, hits,
+                  _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot), window, recall_s,
+                         recomputed))
 
 
 def _drop_least(hits: list) -> list:
@@ -130,11 +144,11 @@ def _fits(n: int, max_new_tokens: int, limit: int) -> None:
                                   f"model's window is {limit}")
 
 
-def _stats(hits, cached, grafted, rerotated, prefilled, window, recall_s) -> dict:
+def _stats(hits, cached, grafted, rerotated, prefilled, window, recall_s, recomputed=0) -> dict:
     return {"recalled": [{"session": h.session, "turn": h.turn, "time": h.time, "doc_id": h.doc_id,
                           "score": h.score, "tokens": h.n_tokens, "text": h.text} for h in hits],
-            "tokens_grafted": grafted, "tokens_rerotated": rerotated, "tokens_recomputed": 0,
-            "tokens_restored": cached + grafted, "tokens_prefilled": prefilled, "window_tokens": window,
+            "tokens_grafted": grafted, "tokens_rerotated": rerotated, "tokens_recomputed": recomputed,
+            "tokens_restored": cached + grafted - recomputed, "tokens_prefilled": prefilled, "window_tokens": window,
             "recall_s": recall_s}
 
 

@@ -57,7 +57,7 @@ def register(add) -> None:
              "takes no new blocks: add to STORE and compact again.", model=True)
     sp.add_argument("dest", metavar="DEST", help="a new directory for the compact copy")
     sp.add_argument("--encoding", choices=("fp16", "bf16"), default="fp16",
-                    help="fp16 (11 significant bits, |x| <= 65504: a block past it is refused; default: 100-200x less "
+                    help="fp16 (11 significant bits, |x| <= 65504: a block past it is refused; default: 20-100x less "
                          "KL than bf16 on the default model, benchmarks/bench_codec.py) or bf16 (fp32's range, 8 bits)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
 

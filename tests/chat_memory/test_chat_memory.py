@@ -175,3 +175,44 @@ def test_a_crash_after_the_forget_commit_is_finished_by_the_next_load_and_gc(mem
     assert main(["gc", str(mem.path), "--grace", "0"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("index files of 1 forgotten users removed")
     assert not (mem.path / "users" / c.key).exists() and (mem.path / "users" / a.key).exists()
+
+
+def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
+    """recompute r: that fraction of the grafted turns' tokens recomputed after the conversation (the
+    prefix stays exact); r = 1 is the same window prefilled as text, up to float rounding."""
+    import torch
+
+    from kvmemory import kv as kvops
+    from kvmemory.chat_memory.window import build, split
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("My locker code is 4417.", "Noted, 4417."), "s1", when=100)
+    for i, f in enumerate(FILLER):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
+    msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "What is my locker code?"}]
+    build(mem, alice, msgs, "new", 8, "kv", k=2)             # the conversation's prefix now stored
+    plain = build(mem, alice, msgs, "new", 8, "kv", k=2)
+    grafted = plain.stats["tokens_grafted"]
+    assert grafted > 0 and plain.stats["tokens_recomputed"] == 0 and not alice.graft_head
+    windows = {}
+    for r in (0.3, 1.0):
+        alice.recompute = r
+        w = build(mem, alice, msgs, "new", 8, "kv", k=2)
+        windows[r] = w
+        assert w.stats["tokens_recomputed"] == round(r * grafted) and w.stats["tokens_grafted"] == grafted
+        assert w.stats["tokens_restored"] == plain.stats["tokens_restored"] - round(r * grafted)
+        assert w.stats["window_tokens"] == plain.stats["window_tokens"] and not torch.equal(w.logits, plain.logits)
+    # r = 1: every grafted token recomputed behind the conversation: the window's tokens in one pass
+    w = windows[1.0]
+    meta = mem.require_store().block_meta([r for h in w.hits for r in h.rows])
+    turns = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    prefix, tail = split(mem.tokenizer, msgs)
+    n = w.cache.get_seq_length()
+    assert n == len(prefix) + len(turns) + len(tail) == plain.stats["window_tokens"]
+    with torch.inference_mode():
+        full = mem.model(input_ids=torch.tensor([prefix + turns + tail]), use_cache=True)
+    got, ref = kvops.cache_slice(w.cache, 0, n), kvops.cache_slice(full.past_key_values, 0, n)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(w.logits, full.logits[0, -1], atol=1e-3)
+    assert not torch.allclose(kvops.cache_slice(plain.cache, 0, n), ref, atol=1e-4, rtol=1e-4)   # grafted: not so
+    alice.recompute = 0.0
+    assert torch.equal(build(mem, alice, msgs, "new", 8, "kv", k=2).logits, plain.logits)
