@@ -15,12 +15,13 @@ Side by side on the same questions (one run, one machine):
 
     none       no memory: the question alone
     text       the same recalled turns quoted as text in the system message (text memory)
-    kv         the recalled turns grafted as KV after the conversation's exact prefix (kvmemory)
+    kv         the recalled turns grafted as KV after the conversation's exact prefix, a part of them
+               recomputed (kvmemory's default, ChatMemory.recompute)
     kv-end     A/B of the KV window: the recalled turns closed with <|im_end|> (2 tokens prefilled)
     kv-head    ... with their prelude grafted before them (a user message of their own) and closed
     kv-head0   ... with their prelude grafted, not closed
     kv-rR      KV recall with a fraction R of the grafted turns' tokens recomputed in the window
-               (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0.15, kv-r1 (all of them)
+               (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0 (none), kv-r1 (all of them)
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -222,6 +223,7 @@ def run(args) -> dict:
                 leak_turns = sum(1 for r in st.get("recalled", []) if not r["doc_id"].startswith(cm.prefix))
                 row[c] = {"answer": text, "correct": correct(q, text), "ttft_s": st["ttft_s"],
                           "prefilled": st["tokens_prefilled"], "restored": st.get("tokens_restored", 0),
+                          "recomputed": st.get("tokens_recomputed", 0),
                           "evidence_found": all(any(e in r for r in recalled) for e in q["evidence"])
                           if q["evidence"] else None, "leak_turns": leak_turns,
                           "leak_value": any(v.casefold() in text.casefold() for v in q.get("others", []))}
@@ -303,6 +305,7 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in got),
                   "prefilled_mean": statistics.mean(r[c]["prefilled"] for r in got),
                   "restored_mean": statistics.mean(r[c]["restored"] for r in got),
+                  "recomputed_mean": statistics.mean(r[c].get("recomputed", 0) for r in got),
                   "leak_turns": sum(r[c]["leak_turns"] for r in got),
                   "leak_values": sum(r[c]["leak_value"] for r in got if r["cross"]), "answered": len(got)}
     return out
@@ -323,7 +326,7 @@ def _bar(total: int, desc: str):
 def table(res: dict) -> str:
     s = res["summary"]
     kinds = sorted(k for k in next(v for v in s.values() if v)["accuracy"] if k not in ("all",))
-    head = "| condition | all | " + " | ".join(kinds) + " | recall@k | TTFT | prefilled | leaks |"
+    head = "| condition | all | " + " | ".join(kinds) + " | recall@k | TTFT | prefilled (+ recomputed) | leaks |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c, v in s.items():
         if v is None:
@@ -334,7 +337,8 @@ def table(res: dict) -> str:
         ev = "" if v["evidence_recall"] is None or not (c == "text" or c.startswith("kv")) else f"{v['evidence_recall']:.2f}"
         lines.append(f"| {c} | {cell('all')} ({a['all']['accuracy']:.2f} [{a['all']['ci95'][0]:.2f}, "
                      f"{a['all']['ci95'][1]:.2f}]) | " + " | ".join(cell(k) for k in kinds) +
-                     f" | {ev} | {v['ttft_median_s']:.3f} s | {v['prefilled_mean']:.0f} | "
+                     f" | {ev} | {v['ttft_median_s']:.3f} s | {v['prefilled_mean']:.0f}"
+                     + (f" (+ {v['recomputed_mean']:.0f})" if v.get("recomputed_mean") else "") + " | "
                      f"{v['leak_turns']} turns, {v['leak_values']} values |")
     return "\n".join(lines)
 

@@ -104,6 +104,8 @@ def compact(mem, dest, encoding: str = "fp16", progress=None) -> CompactReport:
     enc = encodings.get(encoding, m.kv_dtype)
     if not enc.lossy:
         raise InputError("compact to a lossy encoding (bf16, fp16); an exact copy is a copy of the directory")
+    if "://" in str(dest):
+        raise InputError(f"compact writes a local directory, got {dest}; copy the result to the object store")
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreExistsError(f"{dest} exists and is not empty: compact into a new directory")

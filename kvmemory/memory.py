@@ -426,11 +426,13 @@ class Memory:
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ chat memory
-    def chat_memory(self, user: str, layout: str | None = None):
+    def chat_memory(self, user: str, layout: str | None = None, recompute: float | None = None):
         """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember,
-        recall, reply, sessions, forget. Its turns live in a namespace of their own."""
+        recall, reply, sessions, forget. Its turns live in a namespace of their own. recompute: the
+        fraction of the recalled turns' tokens recomputed in each window (default
+        kvmemory.chat_memory.memory.RECOMPUTE)."""
         from kvmemory.chat_memory import ChatMemory
-        return ChatMemory(self, user, layout)
+        return ChatMemory(self, user, layout, recompute=recompute)
 
     def user_documents(self, scope):
         """The Documents of a user's scope, kept for the last USER_SCOPES users (an idle user's

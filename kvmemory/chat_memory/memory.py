@@ -31,7 +31,10 @@ from kvmemory.documents import USER_DOCS, PromptLayout, Scope
 from kvmemory.errors import InputError
 
 USERS_DIR = "users"
-RECOMPUTE = 0.0
+# the fraction of a window's recalled-turn tokens recomputed (CacheBlend): measured on two fresh draws
+# of benchmarks/bench_chat_memory.py (200 questions): 0 -> 57/200 right, 0.15 -> 63, 0.3 -> 71, quoting
+# the same turns as text 57; at 0.3 a reply's first token costs ~0.07 s more (still half quoting's)
+RECOMPUTE = 0.3
 
 
 def drop_forgotten_users(store, path) -> list[str]:
@@ -102,7 +105,8 @@ class ChatMemory:
     """layout: how recalled turns sit in a window (kvmemory/chat_memory/window.py), and so what their
     blocks were computed behind; one per store (LAYOUTS)."""
 
-    def __init__(self, mem, user: str, layout: str | None = None, key: str | None = None) -> None:
+    def __init__(self, mem, user: str, layout: str | None = None, key: str | None = None,
+                 recompute: float | None = None) -> None:
         self.mem, self.user = mem, user
         self.key = user_key(user) if key is None else key
         self.layout = LAYOUT if layout is None else layout
@@ -125,8 +129,10 @@ class ChatMemory:
         self.graft_head = self.layout == "system"
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
-        # conversation; 0: none (the default, chosen by measurement: benchmarks/bench_chat_memory.py)
-        self.recompute = RECOMPUTE
+        # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
+        from kvmemory.ask import check_recompute
+        self.recompute = RECOMPUTE if recompute is None else recompute
+        check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"kvmemory:chat-memory:{self.key}", head=head)
 

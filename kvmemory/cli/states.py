@@ -27,7 +27,8 @@ def register(add) -> None:
 
     sp = add("info", cmd_info, "describe a store: model, fingerprint, states, blocks, bytes",
              "Print the store's model, fingerprint, number of states and blocks, KV bytes, bytes on disk "
-             "and compression ratio. Reads the manifest only; loads no model.")
+             "and compression ratio; of a compact store also its encoding, the bytes it saves and the worst "
+             "block's measured error. Reads the manifest (and a compact store's error array); loads no model.")
     sp.add_argument("--states", action="store_true", help="also list every state")
     sp.add_argument("--json", action="store_true", help="print JSON")
 

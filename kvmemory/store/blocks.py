@@ -302,13 +302,18 @@ class BlockStore(CommitMixin, GcMixin):
         """The measured error of each row's block ([k, 3]: encoding.ERROR_FIELDS), None in an exact store."""
         return self.block_meta(rows)["error"] if self.encoding.lossy else None
 
-    def error_report(self, rows: Sequence[int]) -> dict | None:
-        """What grafting these rows costs against their exact blocks (None in an exact store): the
-        largest per-block error measured when they were encoded (kvmemory/compact.py)."""
+    def error_report(self, rows: Sequence[int] | None) -> dict | None:
+        """What grafting these rows (None: every committed block) costs against their exact blocks
+        (None in an exact store): the largest per-block error measured when they were encoded
+        (kvmemory/compact.py). Every block: the error array alone is read, no other metadata."""
         if not self.encoding.lossy:
             return None
-        rows = list(dict.fromkeys(int(r) for r in rows))
-        err = self.errors(rows) if rows else np.zeros((0, 3), np.float32)
+        if rows is None:
+            rows = self.manifest.committed_rows()
+            err = self._read("error", 0, self.manifest.rows_end)[rows] if rows else np.zeros((0, 3), np.float32)
+        else:
+            rows = list(dict.fromkeys(int(r) for r in rows))
+            err = self.errors(rows) if rows else np.zeros((0, 3), np.float32)
         return error_summary(self.encoding.name, err)
 
     def _check_digests(self, rows: list[int], kv: np.ndarray, meta: dict) -> None:

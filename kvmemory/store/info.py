@@ -27,7 +27,7 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
            "bytes_saved": m.n_blocks * m.block_tokens * (per_token - per_token * store.encoding.itemsize //
                                                          _ITEMSIZE[m.kv_dtype])}
     if store.encoding.lossy:             # the worst measured error of any block (kvmemory/compact.py)
-        out["encoding_error"] = store.error_report(m.committed_rows())
+        out["encoding_error"] = store.error_report(None)
     if with_states:
         out["state_list"] = [{"id": k, "n_tokens": v.n_tokens, "label": v.label, "created": v.created}
                              for k, v in sorted(m.states.items(), key=lambda kv: kv[1].created)]

@@ -189,6 +189,8 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     for i, f in enumerate(FILLER):
         alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
     msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "What is my locker code?"}]
+    assert alice.recompute == 0.3                            # the default (measured: bench_chat_memory.py)
+    alice.recompute = 0.0
     build(mem, alice, msgs, "new", 8, "kv", k=2)             # the conversation's prefix now stored
     plain = build(mem, alice, msgs, "new", 8, "kv", k=2)
     grafted = plain.stats["tokens_grafted"]
@@ -216,3 +218,8 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     assert not torch.allclose(kvops.cache_slice(plain.cache, 0, n), ref, atol=1e-4, rtol=1e-4)   # grafted: not so
     alice.recompute = 0.0
     assert torch.equal(build(mem, alice, msgs, "new", 8, "kv", k=2).logits, plain.logits)
+    assert mem.chat_memory("alice", recompute=0.3).recompute == 0.3
+    from kvmemory.errors import InputError
+    for bad in (1.5, -0.1, True, "0.3"):
+        with pytest.raises(InputError, match="recompute"):
+            mem.chat_memory("alice", recompute=bad)

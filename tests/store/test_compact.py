@@ -112,6 +112,8 @@ def test_bad_requests_are_typed_errors_and_a_failed_compaction_leaves_nothing(pa
         mem.compact(tmp_path / "x.kvm", "int3")
     with pytest.raises(InputError, match="lossy"):
         mem.compact(tmp_path / "x.kvm", "exact")
+    with pytest.raises(InputError, match="local directory"):
+        mem.compact("s3://bucket/cold")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(StoreExistsError):
