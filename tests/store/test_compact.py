@@ -205,3 +205,16 @@ def test_a_served_compact_store_answers_with_its_error_and_refuses_writes_with_4
         srv.should_exit = True
         t.join(timeout=10)
         mem.close()
+
+
+def test_a_compact_store_still_drops_documents_and_states_and_gc_keeps_it_whole(pair, tmp_path, tiny):
+    import shutil
+    d, _, sids, _ = pair
+    shutil.copytree(d / "fp16.kvm", tmp_path / "c.kvm")
+    with kvmemory.Memory(tmp_path / "c.kvm", model=tiny) as c:
+        kept = c.load(sids[0]).kv
+        c.remove("vault")
+        assert c.forget_states([sids[1]]) == 1 and c.docs() == []
+        c.gc(grace_s=0)
+        assert c.store.verify_all() == [] and c.verify(recompute=True) == []
+        assert torch.equal(c.load(sids[0]).kv, kept) and c.info()["encoding"] == "fp16"
