@@ -53,10 +53,6 @@ def main() -> None:
     ap.add_argument("--nprobe", default="",
                     help="IVF lists probed, a sweep (e.g. 8,16,32,64,128): needle recall@k, overlap of IVF's "
                          "top windows with the exact index's, and query time for each (default: the index's own)")
-    ap.add_argument("--embed-batch", type=int, default=0, metavar="N",
-                    help="embed N windows a forward across blocks (faster at millions of tokens; the vectors "
-                         "differ from a deposit's in the last bits); default 0: one block's windows a call, "
-                         "as a deposit does")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"seed {seed}", file=sys.stderr)
@@ -81,11 +77,7 @@ def main() -> None:
         wids = [win.window_id(r, w) for r, ws in enumerate(per_block) for w in range(len(ws))]
         pieces = [p for ws in per_block for p in ws]
         dense = VectorIndex(384)
-        if args.embed_batch:          # many blocks' windows a forward: the same vectors up to float rounding
-            vecs = np.concatenate([emb.embed_pieces(pieces[i:i + args.embed_batch])
-                                   for i in range(0, len(pieces), args.embed_batch)])
-        else:
-            vecs = np.concatenate([emb.embed_pieces(ws) for ws in per_block if ws])    # per block, as a deposit
+        vecs = np.concatenate([emb.embed_pieces(ws) for ws in per_block if ws])    # per block, as a deposit
         dense.add(wids, vecs)
         embed_s = time.perf_counter() - t
         t = time.perf_counter()
