@@ -37,6 +37,7 @@ from kvmemory.exactness import kl_divergence, max_abs_diff
 from kvmemory.store import BlockStore, encoding as encodings
 from kvmemory.store.commit import NewBlock
 from kvmemory.store.durable import fsync_dir, fsync_tree
+from kvmemory.store.info import per_token_bytes
 from kvmemory.store.log import write_snapshot
 from kvmemory.store.manifest import Manifest
 
@@ -180,8 +181,7 @@ def compact(mem, dest, encoding: str = "fp16", progress=None) -> CompactReport:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    kv_bytes = m.stored_tokens * m.model["layers"] * 2 * m.model["kv_heads"] * m.model["head_dim"] * \
-        np.dtype(encodings.get("exact", m.kv_dtype).storage_dtype).itemsize
+    kv_bytes = m.stored_tokens * per_token_bytes(m)
     return CompactReport(str(dest), encoding, len(rows), m.stored_tokens, len(ends), agree, kv_bytes, src.disk_bytes(),
                          BlockStore.open(dest).disk_bytes(), max(kls, default=0.0),
                          float(np.mean(kls)) if kls else 0.0, max(diffs, default=0.0), max(key_err, default=0.0),
