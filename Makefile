@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
-.PHONY: demo test bench install clean cuda-check wheel-check examples
+# test: the bounded suite (what CI runs); test-full: every long test at its full size (tests/bounds.py)
+.PHONY: demo test test-full bench install clean cuda-check wheel-check examples
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -30,6 +31,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs
+	$(MAKE) wheel-check
+
+test-full: $(STAMP)
+	KVMEMORY_FULL_TESTS=1 $(BIN)/python -m pytest -q -rs
 	$(MAKE) wheel-check
 
 # the wheel as a user gets it: built from this tree, installed (not editable) into a fresh venv,

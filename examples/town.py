@@ -1,6 +1,7 @@
 """The documents and questions both example apps use: three short documents about a fictional
 town (so the model cannot know the answers beforehand), and questions with their expected answers."""
 
+import os
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
@@ -17,6 +18,10 @@ QUESTIONS = [
     ("What is the new mooring fee for visiting yachts?", ["30 euros", "30 euro", "€30"]),
     ("On which days does the Vellmark summer festival take place?", ["July"]),
 ]
+
+# KVMEMORY_EXAMPLE_QUESTIONS=N asks only the first N (the test suite's bounded run of the examples)
+if os.environ.get("KVMEMORY_EXAMPLE_QUESTIONS"):
+    QUESTIONS = QUESTIONS[:max(1, int(os.environ["KVMEMORY_EXAMPLE_QUESTIONS"]))]
 
 
 def correct(answer: str, expected: list[str]) -> bool:

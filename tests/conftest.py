@@ -21,7 +21,9 @@ SEED = int(os.environ.get("KVMEMORY_TEST_SEED") or random.SystemRandom().randran
 
 
 def pytest_report_header(config):
-    return f"kvmemory test seed: {SEED} (reproduce with KVMEMORY_TEST_SEED={SEED})"
+    from tests.bounds import FULL
+    size = "full sizes (KVMEMORY_FULL_TESTS=1)" if FULL else "bounded (KVMEMORY_FULL_TESTS=1 for the full sizes)"
+    return f"kvmemory test seed: {SEED} (reproduce with KVMEMORY_TEST_SEED={SEED}); long tests {size}"
 
 
 @pytest.fixture

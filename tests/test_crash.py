@@ -2,14 +2,13 @@
 them inside a commit), the store checked after every kill. The full run (>= 200 trials) is
 benchmarks/bench_crash.py; this is the same program, bounded."""
 
-import os
-
 from benchmarks.bench_crash import run_trials
+from tests.bounds import bound
 from tests.conftest import SEED
 
 
 def test_sigkill_at_random_moments_loses_nothing(tmp_path, tiny_dir):
-    trials = int(os.environ.get("KVMEMORY_CRASH_TRIALS", "12"))
+    trials = bound("KVMEMORY_CRASH_TRIALS", 8, 16)
     res = run_trials(trials, SEED, tmp_path / "work", model=tiny_dir, progress=False)
     assert res["trials"] == trials
     assert res["killed"] >= trials // 2, res                  # most trials were really interrupted
