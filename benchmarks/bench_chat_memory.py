@@ -209,6 +209,8 @@ def run(args) -> dict:
     conds = args.conditions.split(",")
     qs = [(name, q) for name, u in users.items() for q in u["questions"]]
     rng.shuffle(qs)
+    if args.questions:                                 # a random subset, drawn like the rest
+        qs = qs[:args.questions]
     bar = _bar(len(qs) * len(conds), "ask")
     for n, (name, q) in enumerate(qs):
         cm, u = mem.chat_memory(name, args.layout), users[name]
@@ -377,6 +379,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=50, help="sessions of history per user")
     ap.add_argument("--filler", type=int, default=2, help="filler exchanges per session (before the evidence)")
+    ap.add_argument("--questions", type=int, default=None,
+                    help="ask at most this many of the questions (a random subset; default: all of them)")
     ap.add_argument("--k", type=int, default=3, help="turns recalled per question")
     ap.add_argument("--layout", default=None, help="how recalled turns sit in the window: turns (default) or system")
     ap.add_argument("--max-new-tokens", type=int, default=20)
