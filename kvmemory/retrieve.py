@@ -1,7 +1,7 @@
 """Selection: rank a store's live blocks for a question.
 
     question -> dense windows (FAISS) ┐
-             -> BM25 windows (bm25s)  ┴> best window per block -> reciprocal rank fusion -> blocks
+             -> BM25 windows          ┴> best window per block -> reciprocal rank fusion -> blocks
 
 Each index ranks windows; a block takes its best window's rank; the text selector fuses the
 dense and lexical block rankings by reciprocal rank. Only blocks of visible documents count.

@@ -1,8 +1,8 @@
-"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py and bench_codec.py run end to end at a
-tiny size (so they do not rot), and what they report holds: the window's grafted tokens stay
+"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py, bench_codec.py and bench_lexical.py run end
+to end at a tiny size (so they do not rot), and what they report holds: the window's grafted tokens stay
 within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
-invariant mode is exact, probing every IVF list is the exact search, and the compact tier is half the
-bytes at a small, measured error."""
+invariant mode is exact, probing every IVF list is the exact search, the compact tier is half the
+bytes at a small, measured error, and the in-place BM25 ranks as bm25s rebuilt."""
 
 import json
 import subprocess
@@ -88,3 +88,15 @@ def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path)
         assert c["chains_same_top1"] <= c["chains"] and c["chains"] >= 2 and c["decode_GBps"] > 0
     bf16, fp16 = res["compact"]
     assert fp16["key_rel_error_max"] < bf16["key_rel_error_max"]      # 11 significant bits against 8
+
+
+def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_lexical.py", "--sizes", "300,900", "--reps", "4",
+                        "--out", str(tmp_path), "--seed", "6"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("lexical-*.json")).read_text())
+    assert [r["windows"] for r in res["rows"]] == [300, 900]
+    for r in res["rows"]:
+        assert r["same_top8"] == r["reps"] == 4          # the same ranking both ways
+        assert r["in_place_ms"]["median"] > 0 and r["rebuild_ms"]["median"] > 0 and r["file_mb"] > 0
+    assert next(tmp_path.glob("lexical-*.png")).stat().st_size > 0 and "| 900 |" in p.stdout
