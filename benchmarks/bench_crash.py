@@ -3,8 +3,8 @@
 Each trial starts a real `kvmemory` process (a tiny random-weight model of the default model's
 architecture, so a trial takes seconds; the commit protocol does not depend on the weights)
 that adds a fresh document or saves a fresh prompt into one store shared by every trial, and
-kills it with SIGKILL at a random moment: half the trials at a uniform time over the run
-(from the first commit to the process's end in a reference run), half inside a commit (a
+kills it with SIGKILL at a random moment: every first of two trials at a uniform time over the run
+(from the first commit to the process's end in a reference run), every second inside a commit (a
 random commit of the reference run, at a uniform time within it). After every kill:
 
     opens     the store opens (Memory with the same model)

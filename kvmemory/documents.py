@@ -26,7 +26,7 @@ from kvmemory import hashing, kv as kvops, prompts
 from kvmemory.errors import DocumentNotFoundError, InputError, StoreError
 from kvmemory.index import INDEXES, VectorIndex
 from kvmemory.index import windows as win
-from kvmemory.index.lexical import LexicalIndex
+from kvmemory.index.lexical import LexicalIndex, log_path
 from kvmemory.index import keys as keysel
 from kvmemory.store import Change
 from kvmemory.store.manifest import DocEntry
@@ -35,6 +35,7 @@ from kvmemory.store.layout import INDEX_DIR
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
 # derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
 INDEX_FILES = {"dense": "dense-w2.faiss", "bm25": "bm25-w3.json", "keys": "keys-w1.faiss"}
+LOG_MIN_BYTES = 1 << 16                  # the lexical index's log may grow to this, or a quarter of its base
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Documents:
         if idx is not None and self._checked.get(kind) == commit:
             return idx                       # validated at this commit: nothing changed since
         live = self.live_rows()
-        if idx is None or self._file_ident.get(kind) != _ident(self._index_path(kind)):
+        if idx is None or self._file_ident.get(kind) != self._ident(kind):
             idx = self._load_index(kind)     # another process may have written it since
         rows = {win.row_of(i) for i in idx.ids()} if idx is not None else set()
         if idx is None or not live <= rows:
@@ -164,8 +165,8 @@ class Documents:
 
     def _load_index(self, kind: str):
         path = self._index_path(kind)
-        ident = _ident(path)
-        if ident is None:
+        ident = self._ident(kind)            # before reading: a change after it is seen next time
+        if ident[0] is None:
             return None
         try:
             idx = LexicalIndex.load(path) if kind == "bm25" else VectorIndex.load(path, self.dims[kind])
@@ -176,6 +177,11 @@ class Documents:
 
     def _index_path(self, kind: str) -> Path:
         return self.mem.path / self.scope.index_dir / INDEX_FILES[kind]
+
+    def _ident(self, kind: str) -> tuple:
+        """What on disk an index is: its file's (inode, mtime, size), and its log's for bm25."""
+        path = self._index_path(kind)
+        return _ident(path), (_ident(log_path(path)) if kind == "bm25" else None)
 
     def live_map(self) -> dict[int, tuple[str, int, int]]:
         """Row -> (doc id, deposit rank, index of the block in the document) of every block of a
@@ -285,28 +291,53 @@ class Documents:
                 for tmp in path.parent.glob(f".{path.name}.*.tmp"):
                     tmp.unlink(missing_ok=True)
                 raise StoreError(f"cannot write the index {path}: {e}") from None
-            self._file_ident[kind] = _ident(path)
+            self._file_ident[kind] = self._ident(kind)
+
+    def _append_index(self, kind: str, idx, added, removed) -> bool:
+        """Record a change of the lexical index in its log instead of writing it whole, where the
+        file on disk is the one held here and the log is still small. Returns whether it did."""
+        path = self._index_path(kind)
+        store = self.mem.require_store()
+        held = self._file_ident.get(kind)
+        if kind != "bm25" or store.read_only or held is None or held != self._ident(kind) or held[0] is None:
+            return False
+        log = held[1][2] if held[1] is not None else 0
+        if log > max(LOG_MIN_BYTES, held[0][2] // 4):
+            return False                     # past a quarter of the base: write it whole, drop the log
+        with store.write_lock():
+            try:
+                idx.append(path, added, removed)
+            except OSError as e:
+                raise StoreError(f"cannot write the index log {log_path(path)}: {e}") from None
+            self._file_ident[kind] = self._ident(kind)
+        return True
 
     def _update_indexes(self, found: dict | None = None, drop: set[int] | None = None) -> None:
         """Under the writer lock: take each index as it is on disk now (another process may have
         added to it), add `found` / drop rows `drop`, write it back. No rebuild."""
         for kind in INDEXES:
             idx = self._indexes.get(kind)
-            if idx is None or self._file_ident.get(kind) != _ident(self._index_path(kind)):
+            if idx is None or self._file_ident.get(kind) != self._ident(kind):
                 loaded = self._load_index(kind)
                 idx = loaded if loaded is not None else idx
             if idx is None:
                 idx = LexicalIndex() if kind == "bm25" else VectorIndex(self.dims[kind])
-            if drop:
-                idx.remove([i for i in idx.ids() if win.row_of(i) in drop])
+            gone = [i for i in idx.ids() if win.row_of(i) in drop] if drop else []
+            idx.remove(gone)
+            added = []
             if found and found["wids"]:
                 if kind == "dense":
                     idx.add(found["wids"], np.concatenate(found["vecs"]))
                 elif kind == "bm25":
                     idx.add(found["wids"], found["texts"])
+                    added = found["wids"]
                 else:
                     idx.add(found["kwids"], np.concatenate(found["kvecs"]))
-            self._save_index(kind, idx)
+            if self._append_index(kind, idx, added, gone):
+                self._indexes[kind] = idx
+                self._checked.pop(kind, None)
+            else:
+                self._save_index(kind, idx)
 
     # ------------------------------------------------------------------ deposit
     def _prelude_state(self):

@@ -99,4 +99,5 @@ def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
     for r in res["rows"]:
         assert r["same_top8"] == r["reps"] == 4          # the same ranking both ways
         assert r["in_place_ms"]["median"] > 0 and r["rebuild_ms"]["median"] > 0 and r["file_mb"] > 0
+        assert r["log_reads_back"] and r["append_ms"]["median"] > 0 and r["save_ms"]["median"] > 0
     assert next(tmp_path.glob("lexical-*.png")).stat().st_size > 0 and "| 900 |" in p.stdout

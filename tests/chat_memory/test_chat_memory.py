@@ -223,3 +223,37 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     for bad in (1.5, -0.1, True, "0.3"):
         with pytest.raises(InputError, match="recompute"):
             mem.chat_memory("alice", recompute=bad)
+
+
+def test_a_remembered_turn_goes_to_the_bm25_log_and_every_open_reads_it(mem, tiny, monkeypatch):
+    """A write appends its terms to the user's BM25 log (the base file is not rewritten); another open
+    reads base + log; a torn last record (a crash mid-append) is rebuilt from the store; a log past
+    its bound is folded into a new base."""
+    import kvmemory.documents as documents
+    from kvmemory.documents import INDEX_FILES
+    from kvmemory.index.lexical import log_path
+    alice = mem.chat_memory("alice")
+    for i, f in enumerate(FILLER):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=100 + i)
+    path = mem.path / alice.scope.index_dir / INDEX_FILES["bm25"]
+    before = path.stat()
+    alice.remember(exchange("My locker code is 4417.", "Noted, 4417."), "s9", when=200)
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert log_path(path).stat().st_size > 0
+    assert "4417" in alice.recall("What is my locker code?", k=1)[0].text
+    with kvmemory.Memory(mem.path, model=tiny) as other:               # another open: base + log
+        assert "4417" in other.chat_memory("alice").recall("What is my locker code?", k=1)[0].text
+    log = log_path(path).read_bytes()
+    log_path(path).write_bytes(log[:-7])                             # the last record torn
+    with kvmemory.Memory(mem.path, model=tiny) as other:               # its rows are missing: rebuilt
+        assert "4417" in other.chat_memory("alice").recall("What is my locker code?", k=1)[0].text
+    monkeypatch.setattr(documents, "LOG_MIN_BYTES", 0)
+    with kvmemory.Memory(mem.path, model=tiny) as other:
+        again = other.chat_memory("alice")
+        for i in range(6):                                           # the log passes a quarter of the base
+            again.remember(exchange(f"Note number {i} about the harbour.", "Noted."), f"n{i}", when=300 + i)
+            if not log_path(path).exists():
+                break
+        assert not log_path(path).exists() and path.stat().st_ino != before.st_ino
+        assert "4417" in again.recall("What is my locker code?", k=1)[0].text

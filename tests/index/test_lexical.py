@@ -78,3 +78,33 @@ def test_empty_and_bad_input():
         idx.add([3, 4], ["x"])
     idx.remove([1, 2])
     assert idx.search("oslo", 5) == [] and idx.scores("oslo")[0].size == 0
+
+
+def test_the_log_holds_each_write_and_a_torn_line_is_skipped(rng, tmp_path):
+    from kvmemory.index.lexical import log_path
+    path = tmp_path / "bm25.json"
+    idx, docs = LexicalIndex(), {i: text(rng) for i in range(50)}
+    idx.add(list(docs), list(docs.values()))
+    idx.save(path)
+    base = path.read_bytes()
+    for step in range(5):                                   # writes go to the log; the base is untouched
+        new = {100 + 10 * step + j: text(rng) for j in range(3)}
+        idx.add(list(new), list(new.values()))
+        gone = [step, 100 + 10 * step]
+        idx.remove(gone)
+        idx.append(path, [i for i in new if i not in gone], gone)
+    assert path.read_bytes() == base and len(log_path(path).read_bytes().splitlines()) == 5
+    loaded = LexicalIndex.load(path)
+    assert loaded.ids() == idx.ids()
+    for q in ("w3 w5 harbour", "oslo 4417 code"):
+        assert np.array_equal(loaded.scores(q)[1], idx.scores(q)[1])
+    # a crash mid-append leaves a torn last line: skipped on load; the next append starts a line of its own
+    with open(log_path(path), "ab") as f:
+        f.write(b'{"rm":[],"add":{"999":["oslo"')
+    assert 999 not in LexicalIndex.load(path).ids()
+    idx.add([777], ["bergen lantern"])
+    idx.append(path, [777], [])
+    again = LexicalIndex.load(path)
+    assert 777 in again.ids() and 999 not in again.ids() and again.ids() == idx.ids()
+    idx.save(path)                                          # a whole write drops the log
+    assert not log_path(path).exists() and LexicalIndex.load(path).ids() == idx.ids()
