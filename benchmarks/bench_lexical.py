@@ -40,7 +40,8 @@ def turn(rng: random.Random) -> str:
 
 
 def question(rng: random.Random) -> str:
-    return rng.choice([f[2] for f in FACTS.values()] + NEVER + [f"Which club did I mention in week {rng.randint(1, 500)}?"])
+    club = f"Which club did I mention in week {rng.randint(1, 500)}?"
+    return rng.choice([f[2] for f in FACTS.values()] + NEVER + [club])
 
 
 class Rebuilt:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from town import QUESTIONS as ALL_QUESTIONS  # noqa: E402
 
-N_QUESTIONS = bound("KVMEMORY_EXAMPLE_QUESTIONS", 3, len(ALL_QUESTIONS))     # the first N, asked by every app
+N_QUESTIONS = min(len(ALL_QUESTIONS), bound("KVMEMORY_EXAMPLE_QUESTIONS", 3, len(ALL_QUESTIONS)))   # the first N
 
 pytestmark = pytest.mark.real_model
 LINE = re.compile(r"\[(ok|miss)\] TTFT +([\d.]+) s +total +([\d.]+) s")
