@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -81,8 +82,8 @@ class LexicalIndex:
             self._drop(i)
         self._docs[i] = toks
         self._total += len(toks) or 1                     # bm25s indexes an empty window as one empty token
-        for term in set(toks):
-            self._post.setdefault(term, {})[i] = toks.count(term)
+        for term, tf in Counter(toks).items():
+            self._post.setdefault(term, {})[i] = tf
             self._arrays.pop(term, None)
 
     def _drop(self, i: int) -> None:

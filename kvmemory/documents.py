@@ -294,8 +294,8 @@ class Documents:
             self._file_ident[kind] = self._ident(kind)
 
     def _append_index(self, kind: str, idx, added, removed) -> bool:
-        """Record a change of the lexical index in its log instead of writing it whole, where the
-        file on disk is the one held here and the log is still small. Returns whether it did."""
+        """Keep idx and record its change in the lexical index's log instead of writing it whole, where
+        the file on disk is the one held here and the log is still small. Returns whether it did."""
         path = self._index_path(kind)
         store = self.mem.require_store()
         held = self._file_ident.get(kind)
@@ -310,6 +310,8 @@ class Documents:
             except OSError as e:
                 raise StoreError(f"cannot write the index log {log_path(path)}: {e}") from None
             self._file_ident[kind] = self._ident(kind)
+        self._indexes[kind] = idx
+        self._checked.pop(kind, None)
         return True
 
     def _update_indexes(self, found: dict | None = None, drop: set[int] | None = None) -> None:
@@ -333,10 +335,7 @@ class Documents:
                     added = found["wids"]
                 else:
                     idx.add(found["kwids"], np.concatenate(found["kvecs"]))
-            if self._append_index(kind, idx, added, gone):
-                self._indexes[kind] = idx
-                self._checked.pop(kind, None)
-            else:
+            if not self._append_index(kind, idx, added, gone):
                 self._save_index(kind, idx)
 
     # ------------------------------------------------------------------ deposit
