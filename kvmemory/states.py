@@ -13,8 +13,9 @@ import torch
 import xxhash
 
 from kvmemory import hashing, kv as kvops
-from kvmemory.device import to_host, to_model
+from kvmemory.device import ids_tensor, to_host, to_model
 from kvmemory.errors import InputError, StateNotFoundError, StoreCorruptError, StoreError, WindowExceededError
+from kvmemory.model import invariant as invariant_ops
 from kvmemory.store import Change
 from kvmemory.store.manifest import StateEntry
 
@@ -120,12 +121,18 @@ class States:
             have += 1
         if have < len(chain):
             store.require_exact()            # a compact store takes no new blocks (before any prefill)
-        prefix = self.read_chain([store.row_of(b) for b in chain[:have]])
+        part, part_row = self._stored_part(store, ids, chain, have, root) if have < len(chain) else (0, None)
+        prefix = self.read_chain([store.row_of(b) for b in chain[:have]] + ([part_row] if part else []))
         computed: dict[int, torch.Tensor] = {}
-        reused = min(have * C, len(ids))
+        reused = min(have * C + part, len(ids))
         if have < len(chain):
             cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
-            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[have * C:], C, cache, have * C):
+            pos = have * C + part
+            if part:             # the rest of the partly stored block, then block by block as always
+                kvops.last_logits(self.model, ids_tensor(ids[pos:(have + 1) * C], self.model), cache)
+                computed[have] = to_host(kvops.cache_slice(cache, have * C, cache.get_seq_length()))
+                prefix, pos = prefix[:, :, :, :have * C], min(len(ids), (have + 1) * C)
+            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[pos:], C, cache, pos):
                 computed[p // C] = to_host(block_kv)
         # an owner's state is an entry of its own (its id keyed by the owner), never another's
         state_id = chain[-1].hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{chain[-1].hex()}".encode())
@@ -148,6 +155,25 @@ class States:
         st.reused_tokens = reused          # tokens read back from the store instead of computed
         st.encoding_error = store.error_report([store.row_of(b) for b in chain])
         return st
+
+    def _stored_part(self, store, ids: list[int], chain: list[bytes], have: int, root: bytes) -> tuple[int, int | None]:
+        """In invariant mode: the longest start of the first missing block that the store holds as a
+        block of its own (a shorter state's last, partial block: the previous turn of a conversation),
+        as (tokens, row); (0, None) otherwise. Its tokens are then restored, not computed again: the
+        invariant kernels give a token the same KV bytes however the pass that computes it is chunked
+        (kvmemory/model/invariant.py), so the block comes out byte for byte as computed whole. With
+        the default kernels a block is computed whole, as canonical (E2) requires."""
+        if not invariant_ops.installed(self.model):
+            return 0, None
+        C = store.manifest.block_tokens
+        start = have * C
+        parent = chain[have - 1] if have else root
+        for n in range(min(C, len(ids) - start) - 1, 0, -1):           # longest first
+            row = store.row_of(hashing.block_id(self.fingerprint, parent, ids[start:start + n],
+                                                range(start, start + n)))
+            if row is not None:
+                return n, row
+        return 0, None
 
     def read_chain(self, rows: list[int]) -> torch.Tensor:
         """Verified KV of a chain of committed rows: [layers, 2, kv_heads, tokens, head_dim]."""

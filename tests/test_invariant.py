@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kvmemory
 from kvmemory import batching
+from kvmemory.config import StoreConfig
 from kvmemory.errors import ModelMismatchError
 from kvmemory.kv import make_cache
 from kvmemory.model import fingerprint
@@ -188,6 +189,91 @@ def test_memory_in_invariant_mode_restores_like_one_plain_pass(tmp_path, tiny):
     kvmemory.Memory(tmp_path / "plain.kvm", model=tiny).close()
     with pytest.raises(ModelMismatchError):
         kvmemory.Memory(tmp_path / "plain.kvm", model=copy.deepcopy(model), tokenizer=tok, invariant=True)
+
+
+def _block_bytes(mem, state_id: str) -> list[bytes]:
+    store = mem.store
+    rows = store.chain(store.manifest.states[state_id].last_row)
+    return [store.read_state_kv([r]).tobytes() for r in rows]
+
+
+def test_a_partly_stored_block_is_restored_not_recomputed_and_comes_out_the_same_bytes(tmp_path, tiny):
+    """Invariant mode: a state that extends a shorter one inside a block (a conversation's next turn)
+    restores the stored start of that block and computes only the new tokens; every block it
+    commits is byte for byte the block a fresh store computes whole (the canonical computation),
+    and verify --recompute (E2) finds nothing. The default kernels compute the block whole."""
+    model, tok = tiny
+    C = 64
+    cfg = StoreConfig(block_tokens=C)
+    rng = random.Random(5)
+    ids = [rng.randrange(100, 5000) for _ in range(3 * C + 40)]
+    turns = [C + 10, C + 30, 2 * C + 1, 2 * C + 50, 3 * C + 40]        # inside blocks, one past a boundary
+    m = copy.deepcopy(model)
+    mem = kvmemory.Memory(tmp_path / "grow.kvm", model=m, tokenizer=tok, invariant=True, store_config=cfg)
+    before = 0
+    for n in turns:
+        st = mem.save(ids[:n])
+        assert st.reused_tokens == before                 # every token of the last turn restored, none computed again
+        fresh = kvmemory.Memory(tmp_path / f"fresh-{n}.kvm", model=m, tokenizer=tok, invariant=True,
+                                store_config=cfg)          # the state computed from nothing, block by block
+        whole = fresh.save(ids[:n])
+        assert whole.reused_tokens == 0 and whole.id == st.id and torch.equal(whole.kv, st.kv)
+        assert _block_bytes(mem, st.id) == _block_bytes(fresh, whole.id)
+        fresh.close()
+        before = n
+    assert mem.verify(recompute=True) == []
+    mem.close()
+    fresh.close()
+    plain = kvmemory.Memory(tmp_path / "plain.kvm", model=tiny[0], tokenizer=tok, store_config=cfg)
+    plain.save(ids[:C + 10])
+    assert plain.save(ids[:C + 30]).reused_tokens == C    # the default kernels: whole blocks only
+    plain.close()
+
+
+def test_a_served_conversation_restores_its_last_turn_whole_and_answers_as_from_nothing(tmp_path, tiny):
+    """`serve --invariant`, the official openai client: a session's next turn restores every token
+    of the conversation saved at the last turn (it ends inside a block: the default kernels would
+    compute that block again), and its reply is the one a fresh server computes from nothing."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from kvmemory.server import create_app
+    from tests.test_server import _start, words
+
+    rng = random.Random(3)
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    convo = [{"role": "system", "content": words(rng, 40, "You are terse.")},
+             {"role": "user", "content": words(rng, 12)}]
+    replies, cached = [], []
+    for name in ("served.kvm", "fresh.kvm"):
+        mem = kvmemory.Memory(tmp_path / name, model=model, tokenizer=tok, invariant=True)
+        srv, t, url = _start(create_app(mem, queue_size=4, batch=2))
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            msgs = list(convo)
+            if name == "served.kvm":                        # a first turn, its reply, then the next turn
+                a = client.chat.completions.create(model=mem.model_name, messages=msgs, max_tokens=6,
+                                                   temperature=0, prompt_cache_key="s1")
+                msgs += [{"role": "assistant", "content": a.choices[0].message.content},
+                         {"role": "user", "content": words(rng, 8)}]
+                convo = msgs
+            else:
+                msgs = convo
+            r = client.chat.completions.create(model=mem.model_name, messages=msgs, max_tokens=12,
+                                               temperature=0, prompt_cache_key="s1")
+            replies.append(r.choices[0].message.content)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            first = len(mem.tokenizer.apply_chat_template(msgs[:2], tokenize=True, add_generation_prompt=True,
+                                                          return_dict=False))
+            C = mem.block_tokens
+        finally:
+            srv.should_exit = True
+            t.join(timeout=10)
+            mem.close()
+    assert first < C                                          # the whole conversation is inside its first block
+    # the first turn's saved prompt (all but its last token) restored, not computed; the reply's
+    # tokens too where the random model's reply tokenizes back the same (the default kernels: 0)
+    assert cached[0] >= first - 1 and cached[1] == 0
+    assert replies[0] == replies[1]
 
 
 @pytest.fixture(scope="module")
