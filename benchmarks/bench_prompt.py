@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qa import correct, greedy, needle_blocks, wilson  # noqa: E402
+from bench_qa import correct, greedy, needle_blocks, token_offsets, wilson  # noqa: E402
 from haystack import SHAPES, haystack, make_questions  # noqa: E402
 from machine import describe  # noqa: E402
 
@@ -64,8 +64,9 @@ def main() -> None:
         left -= len(qs)
         text = haystack(rng, tok, args.doc_tokens, qs)
         ids = text_ids(tok, text)
+        offsets = token_offsets(tok, text, ids)
         for q in qs:
-            blocks = sorted(set().union(*(needle_blocks(tok, text, ids, nd, C) for nd in q.needles)))
+            blocks = sorted(set().union(*(needle_blocks(tok, text, ids, nd, C, offsets) for nd in q.needles)))
             gold = [t for b in blocks for t in ids[b * C:(b + 1) * C]]
             shapes.append(q.shape)
             line = []

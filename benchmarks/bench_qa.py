@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from haystack import SHAPES, haystack, make_questions, real_questions  # noqa: E402
 from machine import describe  # noqa: E402
@@ -105,14 +106,23 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
-def needle_blocks(tok, text: str, doc_ids: list[int], needle: str, C: int) -> set[int]:
-    """Indices (in the document) of the blocks that hold any token of the needle sentence."""
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
-    assert enc["input_ids"] == doc_ids
+def needle_blocks(tok, text: str, doc_ids: list[int], needle: str, C: int, offsets=None) -> set[int]:
+    """Indices (in the document) of the blocks that hold any token of the needle sentence.
+    `offsets`: the text's token offsets from `token_offsets` (pass them for many needles of one
+    long text: tokenizing 5M tokens again per needle is what kept bench_select from finishing)."""
+    if offsets is None:
+        offsets = token_offsets(tok, text, doc_ids)
     a = text.index(needle)
     b = a + len(needle)
-    toks = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < b and e > a]
-    return {t // C for t in toks}
+    hit = np.nonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))[0]
+    return {int(t) // C for t in hit}
+
+
+def token_offsets(tok, text: str, doc_ids: list[int]):
+    """The (start, end) character offsets of every token of the text, checked against its ids."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    assert enc["input_ids"] == doc_ids
+    return np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
 
 def code_digest() -> bytes:
@@ -167,8 +177,9 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
         full_s = time.perf_counter() - t
         base = full_cache.get_seq_length()
     row_of = {r: i for i, r in enumerate(rows)}
+    offsets = token_offsets(tok, text, doc_ids)
     for q in questions:
-        gold = [needle_blocks(tok, text, doc_ids, nd, C) for nd in q.needles]
+        gold = [needle_blocks(tok, text, doc_ids, nd, C, offsets) for nd in q.needles]
         q_ids = pre.question_ids(q.question)
         replies = {}
         # ---- selection alone

@@ -11,6 +11,7 @@ import ast
 import os
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Dakar", "Perth", "Riga", "Accra",
@@ -44,22 +45,32 @@ class Question:
     answers: tuple[str, ...]     # every one must appear in a correct reply
 
 
-def paragraphs(rng: random.Random, min_chars: int = 200) -> list[str]:
-    """Docstring paragraphs of standard-library modules (real English prose)."""
-    root = os.path.dirname(os.__file__)
-    out = []
-    for name in sorted(os.listdir(root)):
-        if not name.endswith(".py"):
+def paragraphs(rng: random.Random, min_chars: int = 200, prose: str = "stdlib") -> list[str]:
+    """Docstring paragraphs (real English prose), each once. prose="stdlib": the standard library's
+    modules (~1,100 paragraphs, ~0.1M tokens); "site": those and every installed package's too
+    (~55,000 paragraphs, ~5M tokens: for haystacks that must not repeat their text)."""
+    files = sorted(os.path.join(os.path.dirname(os.__file__), f) for f in os.listdir(os.path.dirname(os.__file__)))
+    if prose == "site":
+        import site
+        for root in (d for d in site.getsitepackages() if os.path.isdir(d)):
+            files += sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs)
+    elif prose != "stdlib":
+        raise ValueError(f"prose is stdlib or site, got {prose!r}")
+    out, seen = [], set()
+    for path in files:
+        if not path.endswith(".py"):
             continue
         try:
-            tree = ast.parse(open(os.path.join(root, name), encoding="utf-8").read())
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+            tree = ast.parse(open(path, encoding="utf-8").read())
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
                 doc = ast.get_docstring(node)
-                if doc:
-                    out += [" ".join(p.split()) for p in doc.split("\n\n") if len(p) >= min_chars]
+                for p in (doc.split("\n\n") if doc else ()):
+                    if len(p) >= min_chars and " ".join(p.split()) not in seen:
+                        seen.add(" ".join(p.split()))
+                        out.append(" ".join(p.split()))
     rng.shuffle(out)
     return out
 
@@ -92,10 +103,11 @@ def make_questions(rng: random.Random, n: int) -> list[Question]:
     return out
 
 
-def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Question]) -> str:
+def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Question], prose: str = "stdlib") -> str:
     """n_tokens (give or take a paragraph) of shuffled prose with every needle at a random depth
-    (a paragraph boundary). The prose is cut to size before the needles go in, so none is lost."""
-    paras = paragraphs(rng)
+    (a paragraph boundary). The prose is cut to size before the needles go in, so none is lost.
+    Past the end of `prose`'s paragraphs they repeat (stdlib: past ~0.1M tokens; "site": ~5M)."""
+    paras = paragraphs(rng, prose=prose)
     needles = [nd for q in questions for nd in q.needles]
     room = n_tokens - sum(len(tokenizer(nd, add_special_tokens=False)["input_ids"]) + 1 for nd in needles)
     chosen, total, i = [], 0, 0
@@ -120,7 +132,7 @@ def real_questions(rng: random.Random, text: str, n: int) -> list[Question]:
     """Questions about the haystack's own prose, not inserted needles: a sentence of the text is
     quoted with one word blanked out, and the word is the answer. The sentence occurs once, and
     the word (6+ letters) occurs nowhere else in the text: only that sentence answers it."""
-    low = text.lower()
+    low = Counter(re.findall(r"\w+", text.lower()))      # \bword\b's matches, counted once for the text
     counts: dict[str, int] = {}
     for m in _SENTENCE.finditer(text):
         counts[m.group(0)] = counts.get(m.group(0), 0) + 1
@@ -128,7 +140,7 @@ def real_questions(rng: random.Random, text: str, n: int) -> list[Question]:
     for sent, c in counts.items():
         if c != 1 or not 8 <= len(sent.split()) <= 40:
             continue
-        words = [w for w in _WORD.findall(sent[1:]) if len(re.findall(rf"\b{w.lower()}\b", low)) == 1]
+        words = [w for w in _WORD.findall(sent[1:]) if low[w.lower()] == 1]
         if words:
             pool.append((sent, rng.choice(words)))
     rng.shuffle(pool)

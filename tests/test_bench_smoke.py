@@ -64,14 +64,18 @@ def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
 
 def test_bench_select_sweeps_ivf_probes(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/bench_select.py", "--sizes", "16384", "--questions", "5",
-                        "--nprobe", "2,1000", "--out", str(tmp_path), "--seed", "4"],
+                        "--nprobe", "2,1000", "--hnsw-ef", "4,1000", "--out", str(tmp_path), "--seed", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.loads(next(tmp_path.glob("select-*.json")).read_text())["rows"][0]
     few, every = row["ivf_sweep"]
     assert few["nprobe"] == 2 and every["nprobe"] == row["ivf_nlist"]           # capped at the lists there are
     assert every["top_window_overlap_with_flat"] == 1.0                          # every list probed: exact
-    assert few["top_window_overlap_with_flat"] < 1.0
+    assert every["recall_at_pool_by_score"] == 1.0
+    assert few["top_window_overlap_with_flat"] < 1.0 and few["recall_at_pool_by_score"] < 1.0
+    narrow, wide = row["hnsw_sweep"]                                             # HNSW: recall grows with efSearch
+    assert narrow["recall_at_pool_by_score"] < wide["recall_at_pool_by_score"] and wide["recall_at_pool_by_score"] > 0.95
+    assert 0 < row["unique_windows"] <= row["windows"] and row["prose"] == "stdlib"
 
 
 @pytest.mark.real_model
