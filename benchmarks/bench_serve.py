@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,19 @@ WORDS = ("harbour ferry lighthouse keeper gull market tide rope anchor lantern f
 
 def text(rng, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def setting(spec: str) -> tuple[int, bool, int]:
+    """'8', '8i', '8b64', '8ib64' -> (batch, invariant, block tokens)."""
+    m = re.fullmatch(r"(\d+)(i?)(?:b(\d+))?", spec.strip())
+    if m is None:
+        raise SystemExit(f"--batch: {spec!r} is not N, Ni, NbC or NibC")
+    return int(m.group(1)), bool(m.group(2)), int(m.group(3) or 256)
+
+
+def label(batch: int, invariant: bool, block_tokens: int) -> str:
+    return f"batch {batch}" + (" invariant" if invariant else "") + (f", {block_tokens}-token blocks"
+                                                                       if block_tokens != 256 else "")
 
 
 def start(mem, queue_size: int, batch: int = 8):
@@ -241,7 +255,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--batch", default="1,8", help="server settings to compare: requests decoded together")
+    ap.add_argument("--batch", default="1,8",
+                    help="server settings to compare: requests decoded together; then i runs that setting in "
+                         "invariant mode (`serve --invariant`), bN on a store of N-token blocks (default 256), "
+                         "e.g. 1,8,8i,8b64")
     ap.add_argument("--differ", type=int, default=24, help="conversations for the batched-vs-alone check (0: skip)")
     ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
@@ -257,22 +274,26 @@ def main() -> int:
     rng = random.Random(seed)
     import kvmemory
     from benchmarks.machine import describe
+    from kvmemory.config import StoreConfig
     harbour = ". ".join(f"The {rng.choice(WORDS)} of pier {i} is kept by {rng.choice(WORDS)}" for i in range(150))
     settings, extra = [], {}
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = [setting(b) for b in args.batch.split(",")]
     level_seed = rng.randrange(2**31)                  # the same clients and requests for every setting
-    for bi, batch in enumerate(batches):
+    for bi, (batch, invariant, block_tokens) in enumerate(batches):
+        name = label(batch, invariant, block_tokens)
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
-            mem = kvmemory.Memory(Path(tmp) / "s.kvm")
+            mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant,
+                                  store_config=StoreConfig(block_tokens=block_tokens))
             mem.add(harbour, doc_id="harbour")
             srv, t, url = start(mem, args.queue, batch)
             rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
                     for c in args.clients.split(",")]
             batcher = srv.config.app.state.worker.batcher
             for r in rows:
-                print(f"  batch {batch}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
+                print(f"  {name}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
                       f"status {r['status']}", file=sys.stderr)
-            settings.append({"batch": batch, "rows": rows, "mean_batch": batcher.rows / batcher.steps
+            settings.append({"batch": batch, "invariant": invariant, "block_tokens": block_tokens, "setting": name,
+                             "rows": rows, "mean_batch": batcher.rows / batcher.steps
                              if batcher is not None and batcher.steps else 1.0})
             if bi == len(batches) - 1:
                 if args.differ:
@@ -297,7 +318,7 @@ def main() -> int:
             t.join(timeout=30)
             mem.close()
             if bi == len(batches) - 1 and "ttft" in extra:      # the same conversation after a restart
-                mem = kvmemory.Memory(Path(tmp) / "s.kvm")
+                mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant)
                 srv, t, url = start(mem, args.queue, batch)
                 extra["ttft"]["restored_after_restart_s"] = ttft(url, mem.model_name, convo)[0]
                 srv.should_exit = True
@@ -310,10 +331,10 @@ def main() -> int:
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    print("| batch | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
+    print("| setting | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
     for st in settings:
         for r in st["rows"]:
-            print(f"| {st['batch']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
+            print(f"| {st['setting']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
                   f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
     if "differ" in res:
         d = res["differ"]
@@ -324,7 +345,7 @@ def main() -> int:
               f"{d['during_p50_s'] or 0:.3f} s median (max {d['during_max_s'] or 0:.3f}; {len(d['during_ttft_s'])} asks; "
               f"x{d['ratio_p50'] or 0:.2f}); the deposit took {d['deposit_s']:.0f} s")
     if "peer" in res:
-        print("\nchat-only load, side by side (ours: --batch " + str(batches[-1]) + "):")
+        print("\nchat-only load, side by side (ours: --batch " + args.batch.split(",")[-1] + "):")
         print("| server | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
         for name, rows_ in (("kvmemory", res["ours_chat_only"]), ("llama.cpp", res["peer"]["rows"])):
             for r in rows_:
@@ -346,7 +367,7 @@ def main() -> int:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
         for st in settings:
             a.plot([r["clients"] for r in st["rows"]], [r["requests_per_s"] for r in st["rows"]], "o-",
-                   label=f"batch {st['batch']}")
+                   label=st["setting"])
         a.set(xlabel="concurrent clients", ylabel="requests/s", xscale="log", title="throughput")
         a.legend()
         if "during_deposit" in res:
