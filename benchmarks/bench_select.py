@@ -207,20 +207,15 @@ def main() -> None:
         for m in methods:
             lt = f"  {row['latency_ms_median'][m]:.1f} ms" if m in lat else ""
             print(f"  {m:>12} " + "  ".join(f"@{k} {hit[m][k] / n:4.0%}" for k in KS) + lt)
-        for sw in sweep:
-            at_k = "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall"].items())
-            at_k += "  fused " + "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall_fused_default"].items())
-            print(f"  ivf nprobe {sw['nprobe']:>4}/{nlist} {at_k}  top-{pool} overlap with flat "
-                  f"{sw['top_window_overlap_with_flat']:.3f} (by score {sw['recall_at_pool_by_score']:.3f})  "
-                  f"{sw['ms_median']:.1f} ms")
+        rows_of = [(f"ivf nprobe {sw['nprobe']:>4}/{nlist}", sw) for sw in sweep]
+        rows_of += [(f"hnsw efSearch {sw['efSearch']:>4}", sw) for sw in hnsw_sweep]
         if hnsw_sweep:
             print(f"  hnsw M 32 built in {hnsw_build_s:.0f} s")
-        for sw in hnsw_sweep:
+        for name, sw in rows_of:
             at_k = "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall"].items())
             at_k += "  fused " + "  ".join(f"@{k} {v:4.0%}" for k, v in sw["recall_fused_default"].items())
-            print(f"  hnsw efSearch {sw['efSearch']:>4} {at_k}  top-{pool} overlap with flat "
-                  f"{sw['top_window_overlap_with_flat']:.3f} (by score {sw['recall_at_pool_by_score']:.3f})  "
-                  f"{sw['ms_median']:.1f} ms")
+            print(f"  {name} {at_k}  top-{pool} overlap with flat {sw['top_window_overlap_with_flat']:.3f} "
+                  f"(by score {sw['recall_at_pool_by_score']:.3f})  {sw['ms_median']:.1f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
