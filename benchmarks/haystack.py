@@ -68,9 +68,10 @@ def paragraphs(rng: random.Random, min_chars: int = 200, prose: str = "stdlib") 
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
                 doc = ast.get_docstring(node)
                 for p in (doc.split("\n\n") if doc else ()):
-                    if len(p) >= min_chars and " ".join(p.split()) not in seen:
-                        seen.add(" ".join(p.split()))
-                        out.append(" ".join(p.split()))
+                    flat = " ".join(p.split())
+                    if len(p) >= min_chars and flat not in seen:
+                        seen.add(flat)
+                        out.append(flat)
     rng.shuffle(out)
     return out
 
