@@ -207,7 +207,7 @@ def test_a_partly_stored_block_is_restored_not_recomputed_and_comes_out_the_same
     cfg = StoreConfig(block_tokens=C)
     rng = random.Random(5)
     ids = [rng.randrange(100, 5000) for _ in range(3 * C + 40)]
-    turns = [C + 10, C + 30, 2 * C + 1, 2 * C + 50, 3 * C + 40]        # inside blocks, one past a boundary
+    turns = [C + 10, C + 30, 2 * C + 1, 2 * C + 50, 3 * C + 40]        # each ends inside a block; two cross one
     m = copy.deepcopy(model)
     mem = kvmemory.Memory(tmp_path / "grow.kvm", model=m, tokenizer=tok, invariant=True, store_config=cfg)
     before = 0
@@ -223,7 +223,6 @@ def test_a_partly_stored_block_is_restored_not_recomputed_and_comes_out_the_same
         before = n
     assert mem.verify(recompute=True) == []
     mem.close()
-    fresh.close()
     plain = kvmemory.Memory(tmp_path / "plain.kvm", model=tiny[0], tokenizer=tok, store_config=cfg)
     plain.save(ids[:C + 10])
     assert plain.save(ids[:C + 30]).reused_tokens == C    # the default kernels: whole blocks only
