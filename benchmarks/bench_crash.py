@@ -4,8 +4,10 @@ Each trial starts a real `kvmemory` process (a tiny random-weight model of the d
 architecture, so a trial takes seconds; the commit protocol does not depend on the weights)
 that adds a fresh document or saves a fresh prompt into one store shared by every trial, and
 kills it with SIGKILL at a random moment: every first of two trials at a uniform time over the run
-(from the first commit to the process's end in a reference run), every second inside a commit (a
-random commit of the reference run, at a uniform time within it). After every kill:
+(from the first commit to the process's end in a reference run), every second inside a commit (the
+process kills itself in its k-th commit, k drawn from the reference run's commits, at a uniform
+point of that commit's duration in the reference run, or at the commit's last point if it ends
+sooner: KVMEMORY_KILL_IN_COMMIT, kvmemory/store/commit.py). After every kill:
 
     opens     the store opens (Memory with the same model)
     verify    every committed block passes E1 (digest, id re-derived) -- Memory.verify()
@@ -64,8 +66,12 @@ def text(rng: random.Random, words: int, tag: str) -> str:
     return f"Record {tag}. The keeper of {tag} is {rng.choice(WORDS)}. {body}"
 
 
-def _spawn(op: str, store: Path, file: Path, model: Path, trace: Path) -> subprocess.Popen:
-    env = {**os.environ, "KVMEMORY_TRACE_COMMITS": str(trace), "HF_HUB_OFFLINE": "1"}
+def _spawn(op: str, store: Path, file: Path, model: Path, trace: Path, kill: str | None = None) -> subprocess.Popen:
+    from kvmemory.store.commit import KILL_ENV, TRACE_ENV
+    env = {**os.environ, TRACE_ENV: str(trace), "HF_HUB_OFFLINE": "1"}
+    env.pop(KILL_ENV, None)
+    if kill:
+        env[KILL_ENV] = kill
     cmd = [sys.executable, "-m", "kvmemory.cli", op, str(store), str(file), "--model", str(model)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -117,7 +123,9 @@ def run_trials(n: int, seed: int, work: Path, model: Path | None = None, progres
         return f
 
     refs = {}
-    for op in ("add", "save"):                  # reference runs (their results count as committed)
+    # reference runs (their results count as committed); the first add also creates the store and
+    # its prelude, a commit later runs do not make, so the add reference is the second one
+    for op in ("add", "add", "save"):
         f = new_file(op, -1)
         refs[op] = _reference(op, store, f, model, work)
         if op == "add":
@@ -140,23 +148,33 @@ def run_trials(n: int, seed: int, work: Path, model: Path | None = None, progres
         trace = work / "trial.trace"
         trace.unlink(missing_ok=True)
         ref = refs[op]
-        # every second trial aims inside a commit, so even a short run kills some there
         if i % 2 == 1 and ref["commits"]:
-            b, e = rng.choice(ref["commits"])
-            delay = b + rng.random() * max(e - b, 1e-4)
+            # every second trial dies inside a commit, so even a short run kills some there: the
+            # process kills itself (KILL_ENV) inside its k-th commit, k drawn from the reference
+            # run's commits, at a uniform point of that commit's duration there (or at the
+            # commit's last point, its record durable, if this one is quicker); a run with fewer
+            # commits than k finishes unkilled
+            k = rng.randrange(len(ref["commits"]))
+            b, e = ref["commits"][k]
+            p = _spawn(op, store, f, model, trace, kill=f"{k} {rng.random() * (e - b):.6f}")
+            try:
+                p.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                pass
         else:
-            delay = rng.random() * ref["span"]
-        p = _spawn(op, store, f, model, trace)
-        deadline = time.time() + 300
-        while not trace.is_file() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.002)
-        first = _trace(trace)
-        start = first[0][1] if first else time.time()
-        time.sleep(max(0.0, start + delay - time.time()))
-        finished = p.poll() is not None
-        if not finished:
+            p = _spawn(op, store, f, model, trace)
+            deadline = time.time() + 300
+            while not trace.is_file() and p.poll() is None and time.time() < deadline:
+                time.sleep(0.002)
+            first = _trace(trace)
+            at = (first[0][1] if first else time.time()) + rng.random() * ref["span"]
+            time.sleep(max(0.0, at - time.time()))
+        if p.poll() is None:
             p.send_signal(signal.SIGKILL)
-        p.communicate()
+        _, err = p.communicate()
+        finished = p.returncode != -signal.SIGKILL
+        if finished and p.returncode != 0:
+            failures.append(f"trial {i}: {op} exited {p.returncode}: {err.decode()[-300:]}")
         ev = _trace(trace)
         rows["trials"] += 1
         rows["killed"] += not finished

@@ -10,7 +10,9 @@ import dataclasses
 import errno
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -28,6 +30,10 @@ from kvmemory.store.manifest import LOG_DIR, SNAPSHOT_EVERY, CommitRecord, DocEn
 from kvmemory.store.s3 import CLAIMS_DIR
 
 TRACE_ENV = "KVMEMORY_TRACE_COMMITS"      # a file to append "begin/end <time>" of each commit to
+# crash trials (benchmarks/bench_crash.py): "K SECONDS" SIGKILLs this process SECONDS into its K-th
+# commit (0-based), or at that commit's last point (its record durable, before it returns) if it
+# ends sooner; never set outside those trials
+KILL_ENV = "KVMEMORY_KILL_IN_COMMIT"
 
 
 @dataclass
@@ -308,8 +314,28 @@ def relocate(ch: Change, planned: int, start: int) -> Change:
     return Change(blocks, states, docs, ch.removed_docs, ch.removed_states)
 
 
+_commits_done = 0                         # this process's commits so far (for KILL_ENV)
+
+
 def _trace(what: str) -> None:
+    global _commits_done
     path = os.environ.get(TRACE_ENV)
     if path:
         with open(path, "a") as f:
             f.write(f"{what} {time.time():.6f}\n")
+    kill = os.environ.get(KILL_ENV)
+    if not kill:
+        return
+    k, seconds = kill.split()
+    if _commits_done == int(k):
+        if what == "begin":
+            threading.Thread(target=_kill_after, args=(float(seconds),), daemon=True).start()
+        else:                                 # the commit ended before the kill: wait for it here
+            time.sleep(3600)
+    if what == "end":
+        _commits_done += 1
+
+
+def _kill_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
