@@ -123,7 +123,7 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
 
 
 def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=384, k=8, queries=50) -> list:
-    """Exact (flat) vs IVF search time and IVF recall, to place the flat -> IVF switch.
+    """Exact (flat fp32 and fp16) vs IVF search time and recall, to place VectorIndex's switches.
 
     Each query is a stored vector plus noise, so its planted neighbour is the one right answer
     (recall@1); with random vectors the other top-k neighbours are near-ties, so recall@k is
@@ -135,11 +135,18 @@ def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=
         vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
         planted = rng.integers(0, n, queries)
         qs = vecs[planted] + 0.02 * rng.standard_normal((queries, dim)).astype(np.float32)
-        flat = VectorIndex(dim, ivf_threshold=10**12)
+        flat = VectorIndex(dim, fp16_threshold=10**12, ivf_threshold=10**12)
         flat.add(list(range(n)), vecs)
         t = time.perf_counter()
         exact = [flat.search(q, k) for q in qs]
         flat_ms = (time.perf_counter() - t) / queries * 1e3
+        del flat
+        flat16 = VectorIndex(dim, fp16_threshold=0, ivf_threshold=10**12)
+        flat16.add(list(range(n)), vecs)
+        t = time.perf_counter()
+        scanned = [flat16.search(q, k) for q in qs]
+        flat16_ms = (time.perf_counter() - t) / queries * 1e3
+        del flat16
         ivf = VectorIndex(dim, ivf_threshold=0)
         ivf.add(list(range(n)), vecs)
         t = time.perf_counter()
@@ -147,10 +154,12 @@ def faiss_scaling(rng: np.random.Generator, sizes=(4_000, 40_000, 400_000), dim=
         ivf_ms = (time.perf_counter() - t) / queries * 1e3
         recall = np.mean([len({i for i, _ in a} & {i for i, _ in e}) / k for a, e in zip(approx, exact)])
         recall1 = np.mean([bool(a) and a[0][0] == int(p) for a, p in zip(approx, planted)])
-        out.append({"vectors": n, "tokens_at_C256": n * 256, "flat_ms": flat_ms, "ivf_ms": ivf_ms,
+        recall16 = np.mean([len({i for i, _ in a} & {i for i, _ in e}) / k for a, e in zip(scanned, exact)])
+        out.append({"vectors": n, "tokens_at_C256": n * 256, "flat_ms": flat_ms, "flat16_ms": flat16_ms,
+                    "flat16_recall_at_k": float(recall16), "ivf_ms": ivf_ms,
                     "ivf_recall_at_1": float(recall1), "ivf_recall_at_k": float(recall)})
-        print(f"  faiss {n} vectors: flat {flat_ms:.2f} ms, ivf {ivf_ms:.2f} ms (recall@1 {recall1:.2f})",
-              file=sys.stderr)
+        print(f"  faiss {n} vectors: flat {flat_ms:.2f} ms, flat fp16 {flat16_ms:.2f} ms (recall@{k} "
+              f"{recall16:.2f}), ivf {ivf_ms:.2f} ms (recall@1 {recall1:.2f})", file=sys.stderr)
     return out
 
 

@@ -138,7 +138,7 @@ def code_digest() -> bytes:
 def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, res: dict, sel: dict,
             examples: list, doc_no: int, n_real: int = 0) -> dict:
     tok = model[1]
-    text = haystack(rng, tok, size, questions)
+    text = haystack(rng, tok, size, questions, prose=args.prose)
     questions = questions + real_questions(rng, text, n_real)
     from kvmemory.documents import text_ids
     doc_ids = text_ids(tok, text)
@@ -315,6 +315,10 @@ def main() -> None:
                     help="keep each haystack's store in DIR and reuse it on a later run whose seed, sizes and "
                          "questions draw the same text and whose kvmemory code is the same (a 1M-token deposit "
                          "is ~45 minutes here); the output says which deposits were reused")
+    ap.add_argument("--prose", choices=("stdlib", "site"), default="stdlib",
+                    help="the haystacks' prose: the standard library's docstrings (~0.1M tokens, repeated past "
+                         "that: a 1M-token haystack holds each paragraph ~10 times) or every installed package's "
+                         "too (~5M tokens that do not repeat)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -331,7 +335,7 @@ def main() -> None:
     rows = [run_size((model, tok), int(s), args, rng, work, configs) for s in args.sizes.split(",")]
     machine = describe()
     result = {"benchmark": "qa", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": seed,
-              "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
+              "prose": args.prose, "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nQA — SmolLM2-135M-Instruct fp32, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
     print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "

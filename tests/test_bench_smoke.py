@@ -41,6 +41,7 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
     a, b = (json.loads(next(tmp_path.glob(f"qa-*-{t}.json")).read_text()) for t in ("a", "b"))
     assert a["rows"][0]["deposits_reused"] == 0 and b["rows"][0]["deposits_reused"] == a["rows"][0]["haystacks"]
+    assert a["prose"] == "stdlib"                                                # the default haystack prose
     assert "reusing the deposit" in second.stderr
     ma, mb = a["rows"][0]["methods"], b["rows"][0]["methods"]
     assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1"}
@@ -73,6 +74,8 @@ def test_bench_select_sweeps_ivf_probes(tmp_path):
     assert every["top_window_overlap_with_flat"] == 1.0                          # every list probed: exact
     assert every["recall_at_pool_by_score"] == 1.0
     assert few["top_window_overlap_with_flat"] < 1.0 and few["recall_at_pool_by_score"] < 1.0
+    assert row["flat16"]["recall_at_pool_by_score"] == 1.0                       # fp16 codes: still a full scan
+    assert row["flat16"]["top_window_overlap_with_flat"] > 0.9 and row["latency_ms_median"]["flat_scan"] > 0
     narrow, wide = row["hnsw_sweep"]                                             # HNSW: recall grows with efSearch
     assert narrow["recall_at_pool_by_score"] < wide["recall_at_pool_by_score"] and wide["recall_at_pool_by_score"] > 0.95
     assert 0 < row["unique_windows"] <= row["windows"] and row["prose"] == "stdlib"
