@@ -319,19 +319,19 @@ _commits_done = 0                         # this process's commits so far (for K
 
 def _trace(what: str) -> None:
     global _commits_done
+    kill = os.environ.get(KILL_ENV)
+    hit = False
+    if kill:
+        k, seconds = kill.split()
+        hit = _commits_done == int(k)
+        if hit and what == "end":             # the commit ended before the kill: it lands here, before
+            time.sleep(3600)                  # the trace says "end"
     path = os.environ.get(TRACE_ENV)
     if path:
         with open(path, "a") as f:
             f.write(f"{what} {time.time():.6f}\n")
-    kill = os.environ.get(KILL_ENV)
-    if not kill:
-        return
-    k, seconds = kill.split()
-    if _commits_done == int(k):
-        if what == "begin":
-            threading.Thread(target=_kill_after, args=(float(seconds),), daemon=True).start()
-        else:                                 # the commit ended before the kill: wait for it here
-            time.sleep(3600)
+    if hit and what == "begin":
+        threading.Thread(target=_kill_after, args=(float(seconds),), daemon=True).start()
     if what == "end":
         _commits_done += 1
 
