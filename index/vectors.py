@@ -73,12 +73,11 @@ class VectorIndex:
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
     def _stored(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, vectors) of everything indexed, in the index's order."""
+        """(ids, vectors) of a flat (fp32 or fp16) index, in the index's order: the forms that are
+        ever rebuilt (an IVF index stays IVF)."""
         faiss = _faiss()
         ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)
         inner = faiss.downcast_index(self.index.index)
-        if isinstance(inner, faiss.IndexIVF):
-            return ids, np.stack([self.index.reconstruct(int(i)) for i in ids])
         return ids, inner.reconstruct_n(0, inner.ntotal)
 
     def _to_fp16(self) -> None:
