@@ -36,17 +36,18 @@ def text(rng, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def setting(spec: str) -> tuple[int, bool, int]:
-    """'8', '8i', '8b64', '8ib64' -> (batch, invariant, block tokens)."""
-    m = re.fullmatch(r"(\d+)(i?)(?:b(\d+))?", spec.strip())
+def setting(spec: str) -> tuple[int, bool, int, int]:
+    """'8', '8i', '8b64', '8q64', '8ib64q16' -> (batch, invariant, block tokens, prefill tokens: 0 = the block's)."""
+    m = re.fullmatch(r"(\d+)(i?)(?:b(\d+))?(?:q(\d+))?", spec.strip())
     if m is None:
-        raise SystemExit(f"--batch: {spec!r} is not N, Ni, NbC or NibC")
-    return int(m.group(1)), bool(m.group(2)), int(m.group(3) or 256)
+        raise SystemExit(f"--batch: {spec!r} is not N, Ni, NbC, NqQ or NibCqQ")
+    return int(m.group(1)), bool(m.group(2)), int(m.group(3) or 256), int(m.group(4) or 0)
 
 
-def label(batch: int, invariant: bool, block_tokens: int) -> str:
+def label(batch: int, invariant: bool, block_tokens: int, prefill_tokens: int = 0) -> str:
     return f"batch {batch}" + (" invariant" if invariant else "") + (f", {block_tokens}-token blocks"
-                                                                       if block_tokens != 256 else "")
+                                                                       if block_tokens != 256 else "") + \
+        (f", prefill in {prefill_tokens}s" if prefill_tokens not in (0, block_tokens) else "")
 
 
 def start(mem, queue_size: int, batch: int = 8):
@@ -257,8 +258,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--batch", default="1,8",
                     help="server settings to compare: requests decoded together; then i runs that setting in "
-                         "invariant mode (`serve --invariant`), bN on a store of N-token blocks (default 256), "
-                         "e.g. 1,8,8i,8b64")
+                         "invariant mode (`serve --invariant`), bN on a store of N-token blocks (default 256), qQ "
+                         "on a store whose prefill runs in forwards of Q tokens (StoreConfig.prefill_tokens), "
+                         "e.g. 1,8,8i,8b64,8q64")
     ap.add_argument("--differ", type=int, default=24, help="conversations for the batched-vs-alone check (0: skip)")
     ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
@@ -279,11 +281,11 @@ def main() -> int:
     settings, extra = [], {}
     batches = [setting(b) for b in args.batch.split(",")]
     level_seed = rng.randrange(2**31)                  # the same clients and requests for every setting
-    for bi, (batch, invariant, block_tokens) in enumerate(batches):
-        name = label(batch, invariant, block_tokens)
+    for bi, (batch, invariant, block_tokens, prefill_tokens) in enumerate(batches):
+        name = label(batch, invariant, block_tokens, prefill_tokens)
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
             mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant,
-                                  store_config=StoreConfig(block_tokens=block_tokens))
+                                  store_config=StoreConfig(block_tokens=block_tokens, prefill_tokens=prefill_tokens))
             mem.add(harbour, doc_id="harbour")
             srv, t, url = start(mem, args.queue, batch)
             rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
@@ -292,7 +294,8 @@ def main() -> int:
             for r in rows:
                 print(f"  {name}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
                       f"status {r['status']}", file=sys.stderr)
-            settings.append({"batch": batch, "invariant": invariant, "block_tokens": block_tokens, "setting": name,
+            settings.append({"batch": batch, "invariant": invariant, "block_tokens": block_tokens,
+                             "prefill_tokens": prefill_tokens or block_tokens, "setting": name,
                              "rows": rows, "mean_batch": batcher.rows / batcher.steps
                              if batcher is not None and batcher.steps else 1.0})
             if bi == len(batches) - 1:

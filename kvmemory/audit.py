@@ -75,7 +75,7 @@ def _audit_one(mem, sid: str, suffix: list[int], strict: bool) -> AuditRow:
     ids = st.token_ids
     with torch.inference_mode():
         fresh = kvops.make_cache(None, model.config)
-        for _ in kvops.prefill_blocks(model, ids, mem.block_tokens, fresh):
+        for _ in kvops.prefill_blocks(model, ids, mem.block_tokens, fresh, chunk_tokens=mem.prefill_tokens):
             pass
         fresh_kv = kvops.cache_slice(fresh, 0, len(ids))
         same_kv = fresh_kv.shape == st.kv.shape and torch.equal(fresh_kv, st.kv.to(fresh_kv.dtype))

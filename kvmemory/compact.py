@@ -135,7 +135,8 @@ def compact(mem, dest, encoding: str = "fp16", progress=None) -> CompactReport:
     tmp = dest.with_name(f".{dest.name}.compacting-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     header = Manifest(fingerprint=m.fingerprint, model=dict(m.model), block_tokens=m.block_tokens,
-                      shard_blocks=m.shard_blocks, codec=m.codec, kv_dtype=m.kv_dtype, encoding=encoding)
+                      shard_blocks=m.shard_blocks, codec=m.codec, kv_dtype=m.kv_dtype, encoding=encoding,
+                      prefill_tokens=m.prefill_tokens)
     try:
         out = BlockStore.create(tmp, header)
         S = m.shard_blocks

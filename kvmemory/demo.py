@@ -64,7 +64,8 @@ def run_demo(store_dir: str | None = None, out=print) -> int:
         restore_s = time.perf_counter() - t
         t = time.perf_counter()
         fresh = kvops.make_cache(None, mem.model.config)
-        for _ in kvops.prefill_blocks(mem.model, st.token_ids, mem.block_tokens, fresh):
+        for _ in kvops.prefill_blocks(mem.model, st.token_ids, mem.block_tokens, fresh,
+                                      chunk_tokens=mem.prefill_tokens):
             pass
         recompute_s = time.perf_counter() - t
         with torch.inference_mode():

@@ -434,7 +434,8 @@ class Documents:
         store.require_exact()                # a compact store takes no new blocks (before any prefill)
         cache = prelude.cache()
         kv = []
-        for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p):
+        for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p,
+                                            chunk_tokens=store.manifest.chunk_tokens):
             kv.append(b)
             mem.make_way()                   # a deposit gives way to questions between blocks (defer_to)
         if before_commit is not None:

@@ -2,7 +2,8 @@
 
 Canonical computation: a sequence is prefilled in chunks aligned to absolute block
 boundaries (positions [i*C, (i+1)*C)), each chunk attending to the cache of everything
-before it. A block's KV bytes then depend only on its parent chain's KV and its own tokens,
+before it (a store made with prefill_tokens Q < C runs each block as forwards of Q from its
+start: the same rule at a finer grain). A block's KV bytes then depend only on its parent chain's KV and its own tokens,
 which is what makes E2 (recompute gives the same bytes) and prefix sharing sound: the same
 block computed after a shorter or longer tail is the same computation.
 """
@@ -78,13 +79,26 @@ def last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=None, start: int = 0
-                   ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def prefill_chunked(model, ids: torch.Tensor, cache, chunk_tokens: int) -> torch.Tensor:
+    """Run ids [1, T] after `cache` (extended in place) in forwards of chunk_tokens (the last may be
+    shorter); the logits of the last token [vocab]. The caller starts it where a chunk of the
+    canonical prefill starts."""
+    logits = None
+    for s in range(0, ids.shape[1], chunk_tokens):
+        logits = last_logits(model, ids[:, s:s + chunk_tokens], cache)
+    return logits
+
+
+@torch.inference_mode()
+def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=None, start: int = 0,
+                   chunk_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Canonical chunked prefill of token_ids placed at positions start...
 
     `cache` holds exactly the `start` tokens before (None: start must be 0); it is extended
     in place. Blocks are cut every block_tokens from `start` (the end of the parent chain),
-    exactly as hashing.chain_ids cuts them. Yields, per block,
+    exactly as hashing.chain_ids cuts them; each block runs as one forward, or, with chunk_tokens
+    (a divisor of block_tokens: the store's prefill_tokens), as forwards of chunk_tokens from the
+    block's start. Yields, per block,
     (block_start, kv [layers, 2, kv_heads, n, head_dim], logits of the block's last token [vocab]).
     """
     from transformers import DynamicCache
@@ -95,10 +109,13 @@ def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=Non
         cache = DynamicCache(config=model.config)
     if cache.get_seq_length() != start:
         raise ValueError(f"cache holds {cache.get_seq_length()} tokens, start is {start}")
+    Q = chunk_tokens or block_tokens
+    if block_tokens % Q:
+        raise ValueError(f"chunk_tokens {Q} does not divide block_tokens {block_tokens}")
     ids = ids_tensor(token_ids, model)                                     # [1, T] on the model's device
     for s in range(0, ids.shape[1], block_tokens):
         chunk = ids[:, s:s + block_tokens]
-        logits = last_logits(model, chunk, cache)
+        logits = prefill_chunked(model, chunk, cache, Q)
         p = start + s
         yield p, cache_slice(cache, p, p + chunk.shape[1]), logits
 

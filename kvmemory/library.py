@@ -398,7 +398,8 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         if cache is None:
             from transformers import DynamicCache
             cache = DynamicCache(config=model.config)
-        for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored):
+        for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored,
+                                                       mem.prefill_tokens):
             pass
     ttft = time.perf_counter() - t0
     # every attempt starts from the same prefilled KV (a copy; the first may use it in place)

@@ -22,6 +22,7 @@ from kvmemory.decode import eos_ids, greedy
 from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, ModelMismatchError, StoreError
 from kvmemory.model import fingerprint, geometry, load_model
+from kvmemory.model.fingerprint import with_prefill
 from kvmemory.model import invariant as invariant_ops
 from kvmemory.states import State, StateInfo, States
 from kvmemory.store import BlockStore
@@ -101,6 +102,7 @@ class Memory:
         self.fingerprint = fingerprint(self.model)
         self.store = self._open_store(loc, read_only, store_config) if loc.exists else \
             self._create_store(loc, store_config)
+        self.fingerprint = self.store.manifest.fingerprint     # the model's, or derived (a prefill_tokens store)
         self._dtype = getattr(torch, self.geometry.dtype)
         self.states_room = States(self.require_store, self.model, self.tokenizer, self.fingerprint, self.geometry,
                                   self._dtype, self.location)
@@ -114,22 +116,25 @@ class Memory:
     def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
                            files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
-        if store.manifest.fingerprint != self.fingerprint:
+        m = store.manifest
+        if m.fingerprint != with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens):
             theirs = store.manifest.model.get("kernels", invariant_ops.DEFAULT)
             ours = invariant_ops.kernels(self.model)
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
                                               f"uses the {ours} ones: open it with "
                                               f"invariant={theirs != invariant_ops.DEFAULT}")
-            raise ModelMismatchError(store.manifest.fingerprint, self.fingerprint, self.location, hint)
+            raise ModelMismatchError(m.fingerprint, with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens),
+                                     self.location, hint)
         return store
 
     def _create_store(self, loc, store_config) -> BlockStore:
         cfg = store_config or from_env(StoreConfig)
         g = self.geometry
         kernels = invariant_ops.kernels(self.model)
+        q = 0 if cfg.prefill_tokens == cfg.block_tokens else cfg.prefill_tokens
         manifest = Manifest(
-            fingerprint=self.fingerprint, block_tokens=cfg.block_tokens, shard_blocks=cfg.shard_blocks,
-            codec=cfg.codec, kv_dtype=g.dtype,
+            fingerprint=with_prefill(self.fingerprint, q, cfg.block_tokens), block_tokens=cfg.block_tokens,
+            shard_blocks=cfg.shard_blocks, codec=cfg.codec, kv_dtype=g.dtype, prefill_tokens=q,
             model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
                    "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
                    **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {})})
@@ -333,6 +338,12 @@ class Memory:
     @property
     def block_tokens(self) -> int:
         return self.require_store().manifest.block_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens per forward of the canonical prefill (StoreConfig.prefill_tokens; block_tokens unless
+        the store was made with less)."""
+        return self.require_store().manifest.chunk_tokens
 
     def require_store(self) -> BlockStore:
         """The open BlockStore; StoreError once this Memory is closed."""

@@ -121,18 +121,20 @@ class States:
             have += 1
         if have < len(chain):
             store.require_exact()            # a compact store takes no new blocks (before any prefill)
+        Q = store.manifest.chunk_tokens
         part, part_row = self._stored_part(store, ids, chain, have, root) if have < len(chain) else (0, None)
         prefix = self.read_chain([store.row_of(b) for b in chain[:have]] + ([part_row] if part else []))
+        prefix = prefix[:, :, :, :have * C + part]          # a partial block's usable start (prefill_tokens)
         computed: dict[int, torch.Tensor] = {}
         reused = min(have * C + part, len(ids))
         if have < len(chain):
             cache = kvops.make_cache(to_model(prefix, self.model), self.model.config)
             pos = have * C + part
             if part:             # the rest of the partly stored block, then block by block as always
-                kvops.last_logits(self.model, ids_tensor(ids[pos:(have + 1) * C], self.model), cache)
+                kvops.prefill_chunked(self.model, ids_tensor(ids[pos:(have + 1) * C], self.model), cache, Q)
                 computed[have] = to_host(kvops.cache_slice(cache, have * C, cache.get_seq_length()))
                 prefix, pos = prefix[:, :, :, :have * C], min(len(ids), (have + 1) * C)
-            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[pos:], C, cache, pos):
+            for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[pos:], C, cache, pos, Q):
                 computed[p // C] = to_host(block_kv)
         # an owner's state is an entry of its own (its id keyed by the owner), never another's
         state_id = chain[-1].hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{chain[-1].hex()}".encode())
@@ -157,22 +159,28 @@ class States:
         return st
 
     def _stored_part(self, store, ids: list[int], chain: list[bytes], have: int, root: bytes) -> tuple[int, int | None]:
-        """In invariant mode: the longest start of the first missing block that the store holds as a
-        block of its own (a shorter state's last, partial block: the previous turn of a conversation),
-        as (tokens, row); (0, None) otherwise. Its tokens are then restored, not computed again: the
-        invariant kernels give a token the same KV bytes however the pass that computes it is chunked
-        (kvmemory/model/invariant.py), so the block comes out byte for byte as computed whole. With
-        the default kernels a block is computed whole, as canonical (E2) requires."""
-        if not invariant_ops.installed(self.model):
+        """How much of the first missing block the store already holds, computed as canonical, as
+        (tokens, row of the stored block that holds them); (0, None) if none. The stored block is a
+        shorter state's last, partial block (the previous turn of a conversation): the longest one
+        that starts the missing block is found by its id. Its tokens then are restored, not computed
+        again:
+        - in invariant mode, all of them: the invariant kernels give a token the same KV bytes however
+          the pass that computes it is chunked (kvmemory/model/invariant.py);
+        - in a store with prefill_tokens Q < block_tokens, its whole forwards of Q (the first
+          floor(n / Q) * Q tokens): the canonical prefill computes every block as forwards of Q from
+          its start, so those forwards are the same computation in the longer block.
+        With the default kernels and one forward a block, a block is computed whole (E2)."""
+        C, Q = store.manifest.block_tokens, store.manifest.chunk_tokens
+        invariant = invariant_ops.installed(self.model)
+        if not invariant and Q >= C:
             return 0, None
-        C = store.manifest.block_tokens
         start = have * C
         parent = chain[have - 1] if have else root
-        for n in range(min(C, len(ids) - start) - 1, 0, -1):           # longest first
+        for n in range(min(C, len(ids) - start) - 1, 0 if invariant else Q - 1, -1):           # longest first
             row = store.row_of(hashing.block_id(self.fingerprint, parent, ids[start:start + n],
                                                 range(start, start + n)))
             if row is not None:
-                return n, row
+                return (n if invariant else n // Q * Q), row
         return 0, None
 
     def read_chain(self, rows: list[int]) -> torch.Tensor:
@@ -266,8 +274,10 @@ class States:
             if list(pos) != list(range(before, before + k)):
                 bad.append((row, f"block {name}: positions are not {before}..{before + k - 1}"))
                 continue
-            # a block is always computed as one chunk right after its parent chain
-            _, fresh, _ = next(kvops.prefill_blocks(self.model, toks, store.manifest.block_tokens, cache, before))
+            # a block is always computed right after its parent chain, as one forward (or forwards of
+            # the store's prefill_tokens)
+            _, fresh, _ = next(kvops.prefill_blocks(self.model, toks, store.manifest.block_tokens, cache, before,
+                                                        store.manifest.chunk_tokens))
             try:
                 stored = self.read_chain([row])
             except StoreError:            # reported by E1 above; descendants continue from the recomputed KV

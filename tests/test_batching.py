@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.batching import Batcher, llama_like, serving, step
+from kvmemory.batching import Batcher, llama_like, reserve, serving, step
 from kvmemory.decode import greedy, sampler
 
 
@@ -46,6 +46,68 @@ def test_a_batched_step_is_each_sequence_decoded_alone(tiny, rng):
     # one sequence: the model's own forward, bit for bit
     c, lg = _prefill(model, prompts[0])
     assert torch.equal(step(model, [c], [int(lg.argmax())])[0], alone[0])
+
+
+def test_a_step_writes_into_reserved_room_the_same_numbers_as_it_appends(tiny, rng):
+    """reserve(): the batched step writes each token's KV in place instead of concatenating the cache;
+    logits and caches are bit for bit those of the appending step, also across a step of one (the
+    model's own forward, which appends) and a cache that outgrows its room (it appends again)."""
+    model, _ = tiny
+    prompts = _prompts(rng, 4)
+    plain = [_prefill(model, p) for p in prompts]
+    roomy = [_prefill(model, p) for p in prompts]
+    for (c, _), extra in zip(roomy, (3, 10, 10, 10)):        # the first outgrows its room at the 4th step
+        reserve(c, extra)
+    toks = [int(lg.argmax()) for _, lg in plain]
+    for s_ in range(8):
+        idx = [0] if s_ == 4 else range(4)                      # a step of one in between
+        a = step(model, [plain[i][0] for i in idx], [toks[i] for i in idx])
+        b = step(model, [roomy[i][0] for i in idx], [toks[i] for i in idx])
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        for i, x in zip(idx, a):
+            toks[i] = int(x.argmax())
+    for (cp, _), (cr, _), p in zip(plain, roomy, prompts):
+        assert cr.get_seq_length() == cp.get_seq_length() > len(p)
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                   for x, y in zip(cp.layers, cr.layers))
+    room = roomy[1][0]._kvmemory_room                          # the rest still decode in their room
+    assert room[0][0].data_ptr() == roomy[1][0].layers[0].keys.data_ptr()
+
+
+def test_a_fed_prompt_token_decodes_in_the_batch_as_its_own_forward_would(tiny, rng):
+    """greedy(feed=): the prompt's last token not yet in the cache. Alone: the model's forward of it,
+    then decoding (the same tokens as from its logits); in a batcher: the first row of a step."""
+    model, _ = tiny
+    prompts = _prompts(rng, 5)
+    lengths = [rng.randrange(1, 20) for _ in prompts]
+    alone = []
+    for p, n in zip(prompts, lengths):
+        c, lg = _prefill(model, p)
+        alone.append(greedy(model, c, lg, n, {0}))
+        c2, _ = _prefill(model, p[:-1])
+        assert greedy(model, c2, None, n, {0}, feed=p[-1]) == alone[-1]
+    with pytest.raises(ValueError, match="feed"):
+        greedy(model, _prefill(model, prompts[0])[0], None, 3, {0})
+    b = Batcher(model, threading.RLock(), max_batch=8)
+    try:
+        out = [None] * len(prompts)
+        start = threading.Barrier(len(prompts))
+
+        def run(i):
+            serving(b)
+            c, _ = _prefill(model, prompts[i][:-1])
+            start.wait()
+            out[i] = greedy(model, c, None, lengths[i], {0}, feed=prompts[i][-1])
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+        assert b.widest > 1
+        assert [len(o) for o in out] == [len(a) for a in alone]
+        assert sum(o == a for o, a in zip(out, alone)) >= len(prompts) - 1, (out, alone)
+    finally:
+        b.close()
 
 
 def _run_threads(batcher, jobs):

@@ -14,7 +14,9 @@ EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible servi
           "KVMEMORY_STORE_CACHE_BYTES (local disk tier of an s3:// store), KVMEMORY_INVARIANT=1 (invariant "
           "kernels, as --invariant); for a store being created: "
           "KVMEMORY_BLOCK_TOKENS (tokens per block, default 256; 64 for a store of chat memory), "
-          "KVMEMORY_CODEC (none, zstd or lz4), KVMEMORY_SHARD_BLOCKS.")
+          "KVMEMORY_PREFILL_TOKENS (tokens per forward of the canonical prefill, a divisor of the block's; "
+          "64 for a chat server's store: a conversation's next turn computes at most 63 tokens of its last "
+          "block again, not 255; deposits ~25% slower), KVMEMORY_CODEC (none, zstd or lz4), KVMEMORY_SHARD_BLOCKS.")
 
 CREATES = "store directory or s3://bucket/prefix (created if missing)"
 

@@ -92,7 +92,8 @@ def chat_complete(mem, messages: list[dict], max_new_tokens: int = 256, stop=Non
                                   f"{max_new_tokens} answer tokens")
     with mem.exclusive():
         cache = DynamicCache(config=mem.model.config)
-        for _, _, logits in kvops.prefill_blocks(mem.model, ids, mem.block_tokens, cache):
+        for _, _, logits in kvops.prefill_blocks(mem.model, ids, mem.block_tokens, cache,
+                                                 chunk_tokens=mem.prefill_tokens):
             pass
         ttft = time.perf_counter() - t0
         stream = TextStream(mem.tokenizer, stop or [], on_text, strip=True)

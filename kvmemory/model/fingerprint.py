@@ -76,3 +76,15 @@ def fingerprint(model) -> str:
         h.update(f"{name}|{_dtype_name(t.dtype)}|{tuple(t.shape)}".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return f"kvm{KV_LAYOUT_VERSION}-{h.hexdigest()}"
+
+
+def with_prefill(fp: str, prefill_tokens: int, block_tokens: int) -> str:
+    """The fingerprint of a store whose canonical prefill runs in forwards of prefill_tokens (a
+    divisor of block_tokens, the block's own size being the default): its blocks' bytes differ
+    from one-forward-a-block blocks, so their ids do too, and a kvmemory that does not know the
+    setting refuses the store (a fingerprint it does not compute) instead of writing blocks the
+    other way."""
+    if prefill_tokens in (0, block_tokens):
+        return fp
+    h = xxhash.xxh3_128(f"{fp}|prefill_tokens={prefill_tokens}".encode())
+    return f"kvm{KV_LAYOUT_VERSION}-{h.hexdigest()}"

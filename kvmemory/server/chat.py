@@ -19,7 +19,6 @@ import torch
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.decode import TextStream, greedy, sampler
-from kvmemory.device import ids_tensor
 from kvmemory.server.errors import ApiError, bad, check_id
 from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_memory, session_record
 from kvmemory.server.schemas import ChatCompletionRequest
@@ -119,9 +118,10 @@ class ChatService:
         mem = self.mem
         prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
-        out = mem.model(input_ids=ids_tensor(ids[-1:], mem.model), past_key_values=cache, use_cache=True)
-        return Prepared(ids, cache, out.logits[0, -1], prefix.reused_tokens if prefix is not None else 0,
-                        [prefix.id] if prefix is not None else [], [], None)
+        # the last token's forward is the decoding's first (greedy's feed): in a batcher it is one
+        # row of a step the others' decoding runs anyway, not a pass over the weights of its own
+        return Prepared(ids, cache, None, prefix.reused_tokens if prefix is not None else 0,
+                        [prefix.id] if prefix is not None else [], [], None, feed=ids[-1])
 
     def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
         """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
@@ -141,7 +141,7 @@ class ChatService:
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=lambda t: stream(t) or cancel.is_set(),
-                             pick=sampler(p.temperature, p.top_p, p.seed))
+                             pick=sampler(p.temperature, p.top_p, p.seed), feed=w.feed)
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"

@@ -33,7 +33,7 @@ class Prepared:
     """A request's window, ready to decode from."""
     ids: list[int]                 # the prompt's tokens (saved afterwards, with the reply)
     cache: object                  # the KV the reply attends to
-    logits: torch.Tensor           # [vocab] of the prompt's last token
+    logits: torch.Tensor | None    # [vocab] of the prompt's last token (None: see feed)
     cached: int                    # tokens restored from the store instead of computed
     states: list[str]              # states saved on the way (the prompt's prefix)
     recalled: list[dict]
@@ -41,6 +41,7 @@ class Prepared:
     label: str | None = None
     window: int | None = None      # tokens the reply attends to before it (prompt + grafted), if not len(ids)
     owner: str | None = None       # salts the chains and keys the ids of the states saved (a user's own)
+    feed: int | None = None        # with logits None: the prompt's last token, not in the cache yet (decoded first)
 
 
 def session_memory(mem, session: str) -> ChatMemory:

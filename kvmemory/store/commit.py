@@ -23,6 +23,7 @@ import zarr
 
 from kvmemory import hashing
 from kvmemory.errors import CompactStoreError, StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError
+from kvmemory.store import shards
 from kvmemory.store.layout import INDEX_DIR, arrays, block_digest, chunk_keys
 from kvmemory.store.lock import writer_lock
 from kvmemory.store.log import write_record, write_snapshot
@@ -266,7 +267,10 @@ class CommitMixin:
         sl = slice(start, start + k)
         try:
             with zarr.config.set({"array.write_empty_chunks": True}):   # an all-zero block is still a block
-                arrs["kv"][sl] = kv
+                if self._direct is not None and not self.files.remote and self.cache is None:
+                    shards.write_shards(self._kv_dir, start, kv, S)    # raw local shards: the same bytes, directly
+                else:
+                    arrs["kv"][sl] = kv
                 arrs["tokens"][sl] = tokens
                 arrs["positions"][sl] = positions
                 arrs["parent"][sl] = np.array([b.parent_row for b in blocks], np.int64)

@@ -20,6 +20,7 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
     disk = store.disk_bytes()
     out = {"path": store.name, "model": m.model["name"], "fingerprint": m.fingerprint,
            "states": len(m.states), "documents": len(m.docs), "blocks": m.n_blocks, "block_tokens": m.block_tokens,
+           "prefill_tokens": m.chunk_tokens,
            "codec": m.codec, "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
            "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
            "commit": m.commit, "kernels": m.model.get("kernels", "default"), "encoding": m.encoding,

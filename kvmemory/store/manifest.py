@@ -121,6 +121,7 @@ class Manifest:
     codec: str
     kv_dtype: str                  # torch dtype name of the KV ("float32", "bfloat16", ...)
     encoding: str = "exact"        # how the KV words are held (kvmemory/store/encoding.py)
+    prefill_tokens: int = 0        # the canonical prefill's chunk (kvmemory/kv.py); 0: block_tokens
     commit: int = 0
     states: dict[str, StateEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
@@ -187,7 +188,14 @@ class Manifest:
     def header(self) -> dict:
         # an exact store's header is what it always was; another encoding is named
         return {k: getattr(self, k) for k in HEADER_FIELDS} | \
-            ({"encoding": self.encoding} if self.encoding != "exact" else {})
+            ({"encoding": self.encoding} if self.encoding != "exact" else {}) | \
+            ({"prefill_tokens": self.prefill_tokens} if self.prefill_tokens not in (0, self.block_tokens) else {})
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per forward of the canonical prefill: block_tokens unless the store was made with a
+        smaller prefill_tokens (a divisor of it)."""
+        return self.prefill_tokens or self.block_tokens
 
     def header_json(self) -> str:
         return json.dumps(self.header(), indent=1, sort_keys=True)
@@ -273,7 +281,11 @@ class Manifest:
             encoding = raw.get("encoding", "exact")
             if encoding not in ENCODINGS:
                 raise StoreCorruptError(f"{where} names KV encoding {encoding!r}; this kvmemory reads {ENCODINGS}")
-            return cls(**{k: raw[k] for k in HEADER_FIELDS}, encoding=encoding)
+            q = raw.get("prefill_tokens", 0)
+            if not isinstance(q, int) or q < 0 or (q and raw["block_tokens"] % q):
+                raise StoreCorruptError(f"{where} has prefill_tokens {q!r}, not a divisor of block_tokens "
+                                        f"{raw['block_tokens']}")
+            return cls(**{k: raw[k] for k in HEADER_FIELDS}, encoding=encoding, prefill_tokens=q)
         except StoreCorruptError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:

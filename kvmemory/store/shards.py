@@ -100,6 +100,38 @@ def rewrite_shard(path: Path, keep: set[int], per_shard: int) -> int:
     return size - len(body)
 
 
+def write_shards(array_dir: Path, start: int, blocks: np.ndarray, per_shard: int) -> list[Path]:
+    """Write rows [start, start + k) of a raw sharded array (blocks: [k, ...block shape]) as new shard
+    files, byte for byte what zarr-python writes for them (tests/store/test_shards.py): each
+    file holds its rows' raw chunks in row order, then the index of (offset, nbytes) pairs (rows it
+    does not hold: missing) and the index's crc32c. start is a shard boundary (a commit's first
+    row). One write per file instead of zarr's codec pipeline (~47 ms of a 256-token block's
+    commit here, against a few for the bytes). The caller fsyncs the files. Returns their paths."""
+    if start % per_shard:
+        raise ValueError(f"row {start} does not start a shard of {per_shard}")
+    ndim = blocks.ndim - 1
+    paths = []
+    for s0 in range(0, len(blocks), per_shard):
+        part = blocks[s0:s0 + per_shard]
+        index = np.full((per_shard, 2), _MISSING, dtype="<u8")
+        n = part[0].nbytes if len(part) else 0
+        for i in range(len(part)):
+            index[i] = (i * n, n)
+        raw_index = index.tobytes()
+        path = array_dir / "c" / str((start + s0) // per_shard) / "/".join(["0"] * ndim)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for view in [memoryview(np.ascontiguousarray(part, dtype=part.dtype.newbyteorder("<"))).cast("B"),
+                         memoryview(raw_index + np.uint32(google_crc32c.value(raw_index)).tobytes())]:
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        paths.append(path)
+    return paths
+
+
 HUGE_MIN_BYTES = 32 << 20
 
 
