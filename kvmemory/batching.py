@@ -14,8 +14,9 @@ padding and no mask), each token's KV written in place into room reserved when t
 joins (`reserve`: no concatenation of the whole cache a step); each sequence's position is its own
 cache length, as in an unbatched forward. A chat request joins with its prompt's last token not
 yet computed (greedy's `feed`): that token is its first row of a step, so it shares the pass over
-the weights with the others' decoding instead of taking one of its own. Sampling is per sequence (its own pick: greedy, temperature / top_p, its own seeded
-generator), and so are stop strings and cancellation (its on_token callback).
+the weights with the others' decoding instead of taking one of its own. Sampling is per sequence
+(its own pick: greedy, temperature / top_p, its own seeded generator), and so are stop strings and
+cancellation (its on_token callback).
 
 Exactness: a step of one sequence is the model's own forward, bit for bit. With several, each row
 of a Linear is reduced by a kernel chosen for B rows, which may round differently in the last bits

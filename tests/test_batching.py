@@ -27,6 +27,11 @@ def _prompts(rng, n, lo=3, hi=40, vocab=2000):
     return [[rng.randrange(5, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+def _decoded_alone(model, prompts, lengths):
+    """Each prompt's greedy reply of its length, decoded alone."""
+    return [greedy(model, *_prefill(model, p), n, {0}) for p, n in zip(prompts, lengths)]
+
+
 def test_a_batched_step_is_each_sequence_decoded_alone(tiny, rng):
     model, _ = tiny
     assert llama_like(model)
@@ -80,12 +85,9 @@ def test_a_fed_prompt_token_decodes_in_the_batch_as_its_own_forward_would(tiny, 
     model, _ = tiny
     prompts = _prompts(rng, 5)
     lengths = [rng.randrange(1, 20) for _ in prompts]
-    alone = []
-    for p, n in zip(prompts, lengths):
-        c, lg = _prefill(model, p)
-        alone.append(greedy(model, c, lg, n, {0}))
-        c2, _ = _prefill(model, p[:-1])
-        assert greedy(model, c2, None, n, {0}, feed=p[-1]) == alone[-1]
+    alone = _decoded_alone(model, prompts, lengths)
+    for p, n, a in zip(prompts, lengths, alone):
+        assert greedy(model, _prefill(model, p[:-1])[0], None, n, {0}, feed=p[-1]) == a
     with pytest.raises(ValueError, match="feed"):
         greedy(model, _prefill(model, prompts[0])[0], None, 3, {0})
     b = Batcher(model, threading.RLock(), max_batch=8)
@@ -133,10 +135,7 @@ def test_sequences_from_many_threads_decode_together_as_they_would_alone(tiny, r
     model, _ = tiny
     prompts = _prompts(rng, 6)
     lengths = [rng.randrange(1, 30) for _ in prompts]
-    alone = []
-    for p, n in zip(prompts, lengths):
-        c, lg = _prefill(model, p)
-        alone.append(greedy(model, c, lg, n, {0}))
+    alone = _decoded_alone(model, prompts, lengths)
     b = Batcher(model, threading.RLock(), max_batch=4)
     try:
         got = _run_threads(b, [(*_prefill(model, p), n, None, None) for p, n in zip(prompts, lengths)])
