@@ -69,6 +69,10 @@ def paragraphs(rng: random.Random, min_chars: int = 200, prose: str = "stdlib") 
                 doc = ast.get_docstring(node)
                 for p in (doc.split("\n\n") if doc else ()):
                     flat = " ".join(p.split())
+                    # a docstring may hold control characters (a NUL in a package's test data): not
+                    # prose, and a document with one is refused as binary (decode_text)
+                    if any(ord(ch) < 32 or ord(ch) == 127 for ch in flat):
+                        continue
                     if len(p) >= min_chars and flat not in seen:
                         seen.add(flat)
                         out.append(flat)
