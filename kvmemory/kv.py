@@ -3,8 +3,8 @@
 Canonical computation: a sequence is prefilled in chunks aligned to absolute block
 boundaries (positions [i*C, (i+1)*C)), each chunk attending to the cache of everything
 before it (a store made with prefill_tokens Q < C runs each block as forwards of Q from its
-start: the same rule at a finer grain). A block's KV bytes then depend only on its parent chain's KV and its own tokens,
-which is what makes E2 (recompute gives the same bytes) and prefix sharing sound: the same
+start: the same rule at a finer grain). A block's KV bytes then depend only on its parent
+chain's KV and its own tokens, which is what makes E2 (recompute gives the same bytes) and prefix sharing sound: the same
 block computed after a shorter or longer tail is the same computation.
 """
 

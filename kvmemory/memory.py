@@ -117,14 +117,14 @@ class Memory:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
                            files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
         m = store.manifest
-        if m.fingerprint != with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens):
+        want = with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens)
+        if m.fingerprint != want:
             theirs = store.manifest.model.get("kernels", invariant_ops.DEFAULT)
             ours = invariant_ops.kernels(self.model)
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
                                               f"uses the {ours} ones: open it with "
                                               f"invariant={theirs != invariant_ops.DEFAULT}")
-            raise ModelMismatchError(m.fingerprint, with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens),
-                                     self.location, hint)
+            raise ModelMismatchError(m.fingerprint, want, self.location, hint)
         return store
 
     def _create_store(self, loc, store_config) -> BlockStore:

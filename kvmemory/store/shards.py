@@ -80,14 +80,11 @@ def rewrite_shard(path: Path, keep: set[int], per_shard: int) -> int:
             body += data
     finally:
         os.close(fd)
-    raw_index = new_index.tobytes()
-    body += raw_index + np.uint32(google_crc32c.value(raw_index)).tobytes()
+    body += _index_tail(new_index)
     tmp = path.with_name(f".{path.name}.gc.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(body)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, body)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -114,22 +111,32 @@ def write_shards(array_dir: Path, start: int, blocks: np.ndarray, per_shard: int
     for s0 in range(0, len(blocks), per_shard):
         part = blocks[s0:s0 + per_shard]
         index = np.full((per_shard, 2), _MISSING, dtype="<u8")
-        n = part[0].nbytes if len(part) else 0
+        n = part[0].nbytes
         for i in range(len(part)):
             index[i] = (i * n, n)
-        raw_index = index.tobytes()
         path = array_dir / "c" / str((start + s0) // per_shard) / "/".join(["0"] * ndim)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for view in [memoryview(np.ascontiguousarray(part, dtype=part.dtype.newbyteorder("<"))).cast("B"),
-                         memoryview(raw_index + np.uint32(google_crc32c.value(raw_index)).tobytes())]:
-                while view:
-                    view = view[os.write(fd, view):]
+            _write_all(fd, np.ascontiguousarray(part, dtype=part.dtype.newbyteorder("<")))
+            _write_all(fd, _index_tail(index))
         finally:
             os.close(fd)
         paths.append(path)
     return paths
+
+
+def _index_tail(index: np.ndarray) -> bytes:
+    """The end of a shard file: its index of (offset, nbytes) pairs, little-endian, and their crc32c."""
+    raw = index.astype("<u8").tobytes()
+    return raw + np.uint32(google_crc32c.value(raw)).tobytes()
+
+
+def _write_all(fd: int, data) -> None:
+    """Write every byte of `data` (bytes or a C-contiguous array) at fd's position."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
 
 
 HUGE_MIN_BYTES = 32 << 20
