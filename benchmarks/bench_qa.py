@@ -54,8 +54,9 @@ SELECTOR_KS = (1, 2, 4, 8)
 
 
 def parse_config(name: str) -> dict:
-    """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75', 'k2-rr8-m0.05', 'k8-b2048' -> ask() keyword arguments
-    (c: min_relevance, rr: rerank, m: rerank_margin, b: max_context_tokens)."""
+    """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75', 'k2-rr8-m0.05', 'k8-b2048', 'k2-s16-last' -> ask() keyword
+    arguments (c: min_relevance, rr: rerank, m: rerank_margin, b: max_context_tokens, s: seam tokens
+    recomputed, last: order "best_last")."""
     out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE}
     for part in name.split("-"):
         if part.startswith("rr"):
@@ -70,6 +71,10 @@ def parse_config(name: str) -> dict:
             out["min_relevance"] = float(part[1:])
         elif part.startswith("r"):
             out["recompute"] = float(part[1:])
+        elif part.startswith("s"):
+            out["seam"] = int(part[1:])
+        elif part == "last":
+            out["order"] = "best_last"
         elif part == "noexp":
             out["expand"] = False
         else:
@@ -204,6 +209,7 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
             r["recomputed"].append(st["tokens_recomputed"])
             r["rerank_s"].append(st["timings_s"]["rerank"])
             r["rerank_restored"].append(st["reranked"]["tokens_restored"])
+            r["seamed"].append(bool(a.window.seam_positions(1)))    # a run meets context it was not computed in
             r["_first"] = a.first_logits
             r["_window"] = a.window.slots
             replies[name] = a.text
@@ -256,13 +262,14 @@ def _record(r, q, reply, recall, ttft, prefilled, restored) -> None:
     r["recomputed"].append(0)
     r["rerank_s"].append(0.0)
     r["rerank_restored"].append(0)
+    r["seamed"].append(False)
 
 
 def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
     per_doc = args.needles_per_doc or min(args.questions, max(8, size // 1024))
     methods = [m for m in ("ceiling", "full", "rag") if m in args.methods] + list(configs)
     res = {m: {k: [] for k in ("correct", "shape", "recall", "ttft", "prefilled", "restored", "recomputed", "kl",
-                                  "rerank_s", "rerank_restored")}
+                                  "rerank_s", "rerank_restored", "seamed")}
            for m in methods}
     sel = {s: {k: 0 for k in SELECTOR_KS} for s in args.selectors}
     examples, docs, left, n = [], [], args.questions, 0
@@ -281,9 +288,16 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
            "x_window": statistics.mean(d["doc_tokens"] for d in docs) / 8192,
            "selection_recall": {s: {str(k): v / n for k, v in d.items()} for s, d in sel.items()},
            "methods": {}, "examples": examples}
+    first = res.get(next(iter(configs), None))
     for m, r in res.items():
         k = sum(r["correct"])
+        # paired against the first config (ask's default), question by question: right where it was
+        # wrong, wrong where it was right
+        paired = ([sum(a and not b for a, b in zip(r["correct"], first["correct"])),
+                   sum(b and not a for a, b in zip(r["correct"], first["correct"]))] if first else None)
         out["methods"][m] = {
+            "paired_vs_first_config": paired, "seamed_share": sum(r["seamed"]) / n,
+            "recomputed_mean": statistics.mean(r["recomputed"]),
             "accuracy": k / n, "ci95": wilson(k, n), "recall": sum(r["recall"]) / n,
             "by_shape": {s: sum(c for c, sh in zip(r["correct"], r["shape"]) if sh == s) /
                          max(1, r["shape"].count(s)) for s in SHAPES},
@@ -339,13 +353,14 @@ def main() -> None:
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nQA — SmolLM2-135M-Instruct fp32, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
     print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
-          f"{'TTFT s':>7} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9}")
+          f"{'TTFT s':>7} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9} {'seamed':>6} {'+/- 1st':>7}")
     for r in rows:
         for m, v in r["methods"].items():
             kl = f"{v['kl_vs_rag_median']:.2g}" if v["kl_vs_rag_median"] is not None else "-"
             print(f"{r['doc_tokens']:10.0f} {r['x_window']:5.1f} {r['questions']:3d} {m:>16} {v['accuracy']:8.0%} "
                   f"{v['ci95'][0]:5.0%}-{v['ci95'][1]:4.0%} {v['recall']:6.0%} {v['ttft_median_s']:7.2f} "
-                  f"{v['prefilled_median']:9.0f} {v['restored_median']:8.0f} {v['recomputed_median']:6.0f} {kl:>9}")
+                  f"{v['prefilled_median']:9.0f} {v['restored_median']:8.0f} {v['recomputed_median']:6.0f} {kl:>9} "
+                  f"{v['seamed_share']:6.0%} {'+%d/-%d' % tuple(v['paired_vs_first_config'] or (0, 0)):>7}")
     for r in rows:
         print(f"{r['doc_tokens']:10.0f}: {r['haystacks']} haystacks, {r['deposits_reused']} deposits reused "
               f"(--keep), {r['deposit_s']:.0f} s depositing")

@@ -15,17 +15,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_MARGIN,
-                             ASK_TOP_K)
+from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_ORDER, ASK_RECOMPUTE, ASK_RERANK,
+                             ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor, to_host
 from kvmemory.errors import EmptyStoreError, InputError, WindowExceededError
 from kvmemory.ops import gather_blocks
 from kvmemory.retrieve import check_selector, rank_blocks, relevant
-from kvmemory.window import Candidate, WindowPlan, plan
+from kvmemory.window import ORDERS, Candidate, WindowPlan, plan
 
 TOP_K, RECOMPUTE, MIN_RELEVANCE = ASK_TOP_K, ASK_RECOMPUTE, ASK_MIN_RELEVANCE
 RERANK, RERANK_MARGIN, CONTEXT_TOKENS = ASK_RERANK, ASK_RERANK_MARGIN, ASK_CONTEXT_TOKENS
+SEAM, ORDER = ASK_SEAM, ASK_ORDER
 
 
 @dataclass
@@ -110,7 +111,7 @@ def check_recompute(recompute) -> None:
 def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", max_new_tokens: int = 48,
         recompute: float = RECOMPUTE, expand: bool = True, min_relevance: float = MIN_RELEVANCE,
         on_token=None, doc_filter=None, rerank: int = RERANK, rerank_margin: float = RERANK_MARGIN,
-        max_context_tokens: int = CONTEXT_TOKENS) -> Answer:
+        max_context_tokens: int = CONTEXT_TOKENS, seam: int = SEAM, order: str = ORDER) -> Answer:
     t0 = time.perf_counter()
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
@@ -126,6 +127,11 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         raise InputError(f"rerank_margin is in nats per question token, a number >= 0, got {rerank_margin!r}")
     if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
         raise InputError(f"max_context_tokens is a number of tokens >= 1, got {max_context_tokens!r}")
+    if isinstance(seam, bool) or not isinstance(seam, int) or seam < 0:
+        raise InputError(f"seam is how many tokens to recompute at the start of each grafted run (0: none), "
+                         f"got {seam!r}")
+    if order not in ORDERS:
+        raise InputError(f"order is one of {', '.join(ORDERS)}, got {order!r}")
     store = mem.require_store()
     store.refresh()
     manifest = store.manifest
@@ -152,13 +158,14 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         ranked = relevant(pool, top_k, min_relevance)
     cands, context = candidates(mem, docs, ranked, expand)
     window = plan(cands, len(prelude_ids), len(q_ids), max_new_tokens, mem.geometry.max_positions, top_k, context,
-                  max_context_tokens)
+                  max_context_tokens, order)
     # the RoPE shift of every slot comes from its stored positions: trust them only once its id
     # re-derives from its parent, tokens and positions (StoreCorruptError otherwise)
     store.verified_meta([s.candidate.row for s in window.slots])
     # ---- page in and graft
     device = mem.model.device
-    if device.type == "cuda" and recompute == 0:   # decode attention through the paged-window kernel
+    seams = window.seam_positions(seam)
+    if device.type == "cuda" and recompute == 0 and not seams:   # decode attention through the paged-window kernel
         from kvmemory.ops import use_window_attention
         use_window_attention(mem.model)
     t = time.perf_counter()
@@ -168,11 +175,11 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     t = time.perf_counter()
     recomputed = 0
     exact_tokens = window.exact_prefix_tokens()
-    if recompute > 0:
+    if recompute > 0 or seams:
         from kvmemory.blend import blend_prefill
         ctx_ids = list(prelude_ids) + window_tokens(store, window)
         logits, kv, bs = blend_prefill(mem.model, ctx_kv, ctx_ids, q_ids, float(recompute),
-                                       exact_tokens=exact_tokens)
+                                       exact_tokens=exact_tokens, always=seams)
         recomputed = bs.recomputed
         cache = kvops.make_cache(kv, mem.model.config)
     else:
@@ -189,6 +196,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     stats = {
         "selector": selector, "top_k": top_k, "recompute": recompute, "min_relevance": min_relevance,
         "rerank": rerank, "rerank_margin": rerank_margin, "max_context_tokens": max_context_tokens,
+        "seam": seam, "order": order, "tokens_seam": len(seams),
         "reranked": rr,
         "window_tokens": window.context_tokens + len(q_ids) + len(new),
         "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),

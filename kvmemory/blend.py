@@ -14,6 +14,10 @@ that at full cost. Selective recompute recomputes only the tokens whose K/V devi
      else keeps its grafted K/V, which the kept tokens' new K/V overwrite in place.
 
 r = 1.0 recomputes every token at every layer: the window's text re-prefilled in one pass.
+`always` (EPIC-style seams, Hu et al. 2024) names context tokens recomputed at every layer
+whatever their deviation: the first tokens of each grafted run, where it meets a window it
+was not computed in. With r == 0 only they (and the question) are recomputed, and nothing is
+measured.
 The model's own decoder layers do the work (through a cache object that writes the K/V of
 the tokens in flight at their window positions), so any Llama-shaped transformers model works.
 """
@@ -63,31 +67,42 @@ def _mask(q_pos: torch.Tensor, n: int, dtype, device) -> torch.Tensor:
 
 @torch.inference_mode()
 def blend_prefill(model, ctx_kv: torch.Tensor, ctx_ids: list[int], q_ids: list[int], r: float,
-                  exact_tokens: int = 0, check_layer: int = 1) -> tuple[torch.Tensor, torch.Tensor, BlendStats]:
-    """Prefill the question over a grafted window, recomputing a fraction r of its context.
+                  exact_tokens: int = 0, check_layer: int = 1,
+                  always=()) -> tuple[torch.Tensor, torch.Tensor, BlendStats]:
+    """Prefill the question over a grafted window, recomputing a fraction r of its context
+    (those that deviate most) and every context position in `always` (at or after exact_tokens).
 
     ctx_kv: [L, 2, H, W, D], the window's grafted K/V (prelude + blocks), W == len(ctx_ids).
     exact_tokens: the leading tokens whose K/V are already exact (never recomputed unless r == 1).
     Returns (logits of the last question token [vocab], the window's K/V with the question
     [L, 2, H, W + Q, D], stats).
     """
-    if not 0.0 < r <= 1.0:
-        raise ValueError(f"r must be in (0, 1], got {r}")
     L, _, H, W, D = ctx_kv.shape
+    always = sorted(set(int(a) for a in always))
+    if not 0.0 <= r <= 1.0 or (r == 0 and not always):
+        raise ValueError(f"r must be in (0, 1], or 0 with positions in `always`, got {r}")
     if W != len(ctx_ids):
         raise ValueError(f"{W} context K/V positions for {len(ctx_ids)} context tokens")
+    if always and not exact_tokens <= always[0] <= always[-1] < W:
+        raise ValueError(f"`always` positions must lie in [exact_tokens={exact_tokens}, {W}), got "
+                         f"{always[0]}..{always[-1]}")
     dev = ctx_kv.device
     Q = len(q_ids)
     buf = torch.empty((L, 2, H, W + Q, D), dtype=ctx_kv.dtype, device=dev)
     buf[:, :, :, :W] = ctx_kv
     ids = torch.tensor(ctx_ids + q_ids, device=dev)
     question = torch.arange(W, W + Q, device=dev)
+    forced = torch.zeros(0, dtype=torch.bool, device=dev)
     if r >= 1.0:
         cand = torch.arange(0, W, device=dev)
         check_layer = -1                     # every token, every layer: no measuring needed
+    elif r == 0:
+        cand = torch.tensor(always, dtype=torch.long, device=dev)
+        check_layer = -1                     # the seams alone: nothing to measure
     else:
         cand = torch.arange(min(exact_tokens, W), W, device=dev)
-    keep_n = min(len(cand), int(round(r * W)))
+        forced = torch.isin(cand, torch.tensor(always, dtype=torch.long, device=dev))
+    keep_n = min(len(cand), int(round(r * W)) + int(forced.sum()))
     inner = model.model
     cache = _WindowKV(buf)
     pos = torch.cat([cand, question])
@@ -101,7 +116,7 @@ def blend_prefill(model, ctx_kv: torch.Tensor, ctx_ids: list[int], q_ids: list[i
         for i, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
             if i == check_layer + 1 and check_layer >= 0:
                 # keep the context tokens that deviate most, and every question token
-                dev_ctx = cache.deviation[: len(cand)]
+                dev_ctx = cache.deviation[: len(cand)].masked_fill(forced, float("inf"))   # seams stay
                 top = (torch.topk(dev_ctx, keep_n).indices.sort().values if keep_n
                        else torch.zeros(0, dtype=torch.long, device=dev))
                 sel = torch.cat([top, torch.arange(len(cand), len(pos), device=dev)])

@@ -132,3 +132,9 @@ ASK_RERANK = 0
 ASK_RERANK_MARGIN = 0.5        # of 0.1 and 0.5 measured at 32K and 131K (bench_qa), 0.5 answered more
 # the grafted tokens of one answer, whatever the store's size (window.plan)
 ASK_CONTEXT_TOKENS = 2048
+# recompute the first ASK_SEAM tokens of every grafted run that is not exact, at every layer
+# (EPIC-style seams: the tokens where a run meets a window it was not computed in; 0: off)
+ASK_SEAM = 0
+# where the runs sit: "document" (document order) or "best_last" (the run holding the best
+# selected block nearest the question, the others in document order before it)
+ASK_ORDER = "document"

@@ -252,7 +252,7 @@ class Memory:
     def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
             recompute: float | None = None, expand: bool = True, min_relevance: float | None = None,
             on_token=None, doc_filter=None, rerank: int | None = None, rerank_margin: float | None = None,
-            max_context_tokens: int | None = None):
+            max_context_tokens: int | None = None, seam: int | None = None, order: str | None = None):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
         Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
@@ -273,7 +273,10 @@ class Memory:
         (kvmemory.rerank; no forward where the best block stands alone), and keeps a block after
         the best only within rerank_margin nats per question token of it. max_context_tokens
         bounds the grafted tokens (default kvmemory.ask.CONTEXT_TOKENS; never more than the
-        window's room), so an answer's cost does not grow with the store.
+        window's room), so an answer's cost does not grow with the store. seam=n (default
+        kvmemory.ask.SEAM) recomputes the first n tokens of every grafted run that meets context
+        it was not computed in (EPIC-style), through every layer. order (default kvmemory.ask.ORDER):
+        "document", or "best_last" to put the run holding the best selected block nearest the question.
         """
         from kvmemory import ask as _ask
         return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
@@ -283,7 +286,8 @@ class Memory:
                         on_token=on_token, doc_filter=doc_filter,
                         rerank=_ask.RERANK if rerank is None else rerank,
                         rerank_margin=_ask.RERANK_MARGIN if rerank_margin is None else rerank_margin,
-                        max_context_tokens=_ask.CONTEXT_TOKENS if max_context_tokens is None else max_context_tokens)
+                        max_context_tokens=_ask.CONTEXT_TOKENS if max_context_tokens is None else max_context_tokens,
+                        seam=_ask.SEAM if seam is None else seam, order=_ask.ORDER if order is None else order)
 
     @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text", doc_filter=None) -> list[dict]:

@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+ORDERS = ("document", "best_last")
+
+
 @dataclass(frozen=True)
 class Candidate:
     row: int             # block row in the store
@@ -73,26 +76,48 @@ class WindowPlan:
             c = s.candidate
             prev = self.slots[i - 1].candidate if i else None
             follows = (c.deposit_pos == self.prelude_tokens if prev is None else
-                       prev.doc_id == c.doc_id and prev.doc_start + prev.n_tokens == c.doc_start
-                       and prev.deposit_pos + prev.n_tokens == c.deposit_pos)
+                       _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos)
             if s.shift != 0 or not follows:
                 break
             n += c.n_tokens
         return n
 
+    def seam_positions(self, n: int) -> list[int]:
+        """Window positions of the first n tokens of every run of blocks that were computed
+        together (each block deposited right after the one before it) except a leading run that
+        starts its segment: where a run meets context it was not computed in (another run, or
+        the prelude when the run was cut from the front). Empty for n == 0 and for a window of
+        one such run from its segment's start."""
+        if n <= 0:
+            return []
+        runs: list[list[int]] = []            # [start, end) window offsets
+        for i, s in enumerate(self.slots):
+            c = s.candidate
+            prev = self.slots[i - 1].candidate if i else None
+            if prev is not None and _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos:
+                runs[-1][1] = s.offset + c.n_tokens
+            else:
+                runs.append([s.offset, s.offset + c.n_tokens])
+        exact = self.exact_prefix_tokens()
+        return [t for a, b in runs if a >= exact for t in range(a, min(a + n, b))]
+
 
 def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int, max_new_tokens: int,
          window_tokens: int, top_k: int, context: dict[int, list[Candidate]] | None = None,
-         max_context_tokens: int | None = None) -> WindowPlan:
+         max_context_tokens: int | None = None, order: str = "document") -> WindowPlan:
     """Take the best-scoring candidates that fit (up to top_k), then as much of each one's
     `context` (row -> the blocks before it in its segment, in document order) as fits, best
-    candidate's first, nearest block first; lay all out in document order.
+    candidate's first, nearest block first; lay all out in document order, or (order
+    "best_last") with the run of consecutive blocks that holds the best-scoring selected
+    candidate moved last, nearest the question.
 
     The slots hold at most max_context_tokens tokens (None: what the window has room for): a
     budget that does not depend on the store, so the window's cost does not either. In a small
     store the selected blocks share segments and their context overlaps; in a large one each
     brings its own, and without a budget the window grows with the store until it is full."""
     budget = window_tokens - prelude_tokens - question_tokens - max_new_tokens
+    if order not in ORDERS:
+        raise ValueError(f"order is one of {ORDERS}, got {order!r}")
     if budget < 0:
         raise ValueError(f"the question ({question_tokens} tokens) and answer ({max_new_tokens}) do not fit the "
                          f"window of {window_tokens} tokens")
@@ -116,8 +141,28 @@ def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int,
                 break
             chosen[p.row] = Candidate(**{**p.__dict__, "selected": False})
             used += p.n_tokens
+    runs = _runs(sorted(chosen.values(), key=lambda c: (c.doc_rank, c.doc_start)))
+    if order == "best_last" and len(runs) > 1:
+        best = max(range(len(runs)), key=lambda i: max(c.score for c in runs[i] if c.selected))
+        runs.append(runs.pop(best))
     slots, pos = [], prelude_tokens
-    for c in sorted(chosen.values(), key=lambda c: (c.doc_rank, c.doc_start)):
+    for c in (c for run in runs for c in run):
         slots.append(Slot(c, pos, pos))
         pos += c.n_tokens
     return WindowPlan(prelude_tokens, tuple(slots), question_tokens, max_new_tokens)
+
+
+def _follows(prev: Candidate, c: Candidate) -> bool:
+    """c is the block after prev in the same document."""
+    return prev.doc_id == c.doc_id and prev.doc_start + prev.n_tokens == c.doc_start
+
+
+def _runs(cands: list[Candidate]) -> list[list[Candidate]]:
+    """Candidates in document order cut into runs of consecutive blocks of one document."""
+    runs: list[list[Candidate]] = []
+    for c in cands:
+        if runs and _follows(runs[-1][-1], c):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs

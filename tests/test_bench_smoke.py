@@ -33,7 +33,7 @@ def test_bench_flat_access_reports_a_bounded_window(tmp_path):
 def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     def run(tag):
         return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "4",
-                               "--configs", "k2,k2-rr4-m0.1", "--methods", "rag", "--selectors", "bm25",
+                               "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
                                "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
                                "--out", str(tmp_path), "--tag", tag], cwd=ROOT, capture_output=True, text=True,
                               timeout=900)
@@ -44,7 +44,9 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     assert a["prose"] == "stdlib"                                                # the default haystack prose
     assert "reusing the deposit" in second.stderr
     ma, mb = a["rows"][0]["methods"], b["rows"][0]["methods"]
-    assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1"}
+    assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1", "kvm-k2-s16-last"}
+    assert ma["kvm-k2"]["paired_vs_first_config"] == [0, 0] and ma["rag"]["seamed_share"] == 0
+    assert a["configs"]["kvm-k2-s16-last"]["seam"] == 16 and a["configs"]["kvm-k2-s16-last"]["order"] == "best_last"
     assert [e["replies"] for e in a["rows"][0]["examples"]] == [e["replies"] for e in b["rows"][0]["examples"]]
 
 

@@ -221,6 +221,11 @@ def test_recompute_argument_is_checked(mem, rng):
             mem.ask("where?", min_relevance=bad)
     with pytest.raises(InputError, match="recompute"):        # a fraction, not a switch (as solve)
         mem.ask("where?", recompute=True)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(InputError, match="seam"):
+            mem.ask("where?", seam=bad)
+    with pytest.raises(InputError, match="order"):
+        mem.ask("where?", order="nearest")
     p = len(mem.documents.prelude.ids)
     for top_k in (1, 3):
         st = mem.ask("copper falcon", top_k=top_k, recompute=0.5, expand=False, max_new_tokens=2).stats

@@ -150,3 +150,36 @@ def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model
         torch.testing.assert_close(full.first_logits, ref, atol=2e-3, rtol=1e-4)
         assert kl_full < 1e-6 and kl_full < kl_graft
         assert full.stats["tokens_recomputed"] == full.stats["tokens_restored"]
+
+
+def test_seams_as_long_as_the_runs_equal_re_prefilling_and_best_last_orders_the_window(tmp_path, real_model):
+    """seam=n recomputes the first n tokens of each run that meets context it was not computed in;
+    with n as long as the runs every grafted token after the exact prefix is recomputed, which is the
+    window's text re-prefilled. order="best_last" grafts the same blocks with the best block's run last."""
+    r = random.Random()
+    with kvmemory.Memory(tmp_path / "z.kvm", model=real_model) as mem:
+        text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
+        mem.add(text, doc_id="log")
+        q = "What is the zyxquor token of the harbour?"
+        kw = dict(top_k=3, expand=False, max_new_tokens=8, min_relevance=0.0)
+        some = mem.ask(q, seam=16, **kw)
+        whole = mem.ask(q, seam=4096, **kw)                # longer than any run: each whole
+        st, p = whole.stats, len(mem.documents.prelude.ids)
+        inexact = st["tokens_restored"] - p - st["tokens_exact"]
+        assert inexact > 0 and st["tokens_seam"] == st["tokens_recomputed"] == inexact
+        assert some.stats["tokens_seam"] == some.stats["tokens_recomputed"] == 16 * len(some.window.seam_positions(1))
+        from kvmemory.ask import window_tokens
+        ids = mem.documents.prelude.ids + window_tokens(mem.store, whole.window) + mem.documents.prelude.question_ids(q)
+        with torch.inference_mode():
+            ref = mem.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        assert kl_divergence(ref, whole.first_logits) < 1e-6
+        last = mem.ask(q, order="best_last", **kw)
+        rows = lambda a: [s.candidate.row for s in a.window.slots]       # noqa: E731
+        assert sorted(rows(last)) == sorted(rows(whole))
+        slots = last.window.slots
+        tail = len(slots) - 1                            # the last run: consecutive blocks of the document
+        while tail and slots[tail - 1].candidate.doc_start + slots[tail - 1].candidate.n_tokens == \
+                slots[tail].candidate.doc_start:
+            tail -= 1
+        best = max(s.candidate.score for s in slots)
+        assert best in [s.candidate.score for s in slots[tail:]]

@@ -169,6 +169,12 @@ def test_documents_jobs_ask_and_stream(served, rng):
     final = json.loads(events[-2])
     assert final["type"] == "final" and final["answer"] == body["answer"]
     assert "".join(json.loads(e)["text"] for e in events[:-2]) == body["answer"]
+    # the window's settings reach ask: its stats echo them; a bad one is refused (400) before asking
+    st = httpx.post(url + "/v1/ask", json={"question": "What is the vault code?", "max_new_tokens": 2, "top_k": 3,
+                                           "expand": False, "seam": 8, "order": "best_last"}, timeout=60).json()["stats"]
+    assert st["seam"] == 8 and st["order"] == "best_last" and st["tokens_seam"] == st["tokens_recomputed"]
+    for bad in ({"seam": -1}, {"order": "nearest"}, {"seam": 1.5}):
+        assert httpx.post(url + "/v1/ask", json={"question": "What?", **bad}).status_code == 400
     assert httpx.delete(url + "/v1/documents/vault").json()["deleted"] is True
     assert [d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]] == ["notes.txt"]
 

@@ -62,3 +62,44 @@ def test_context_budget_holds_whatever_the_spread_and_selected_blocks_come_first
     assert w2.context_tokens - 20 <= 3072
     with pytest.raises(ValueError, match="do not fit"):
         plan(sel, 100, 8000, 200, 8192, 4, ctx, max_context_tokens=10)
+
+
+def test_best_last_moves_the_run_of_the_best_block_next_to_the_question():
+    # runs in document order: [d0 0..512) (rows 1, 2), [d0 2048) (row 3), [d1 0) (row 4)
+    cs = [cand(1, 0, 0, 0.5), cand(2, 0, 256, 0.6), cand(3, 0, 2048, 0.9), cand(4, 1, 0, 0.7)]
+    doc = plan(cs, 20, 5, 5, 8192, 4)
+    last = plan(cs, 20, 5, 5, 8192, 4, order="best_last")
+    assert [s.candidate.row for s in doc.slots] == [1, 2, 3, 4]
+    assert [s.candidate.row for s in last.slots] == [1, 2, 4, 3]       # the best's run last, the rest in order
+    assert [s.slot_pos for s in last.slots] == [20, 276, 532, 788]     # packed back to back
+    cs[1] = cand(2, 0, 256, 0.95)                                       # the best inside a run of two: it moves whole
+    assert [s.candidate.row for s in plan(cs, 20, 5, 5, 8192, 4, order="best_last").slots] == [3, 4, 1, 2]
+    # context blocks never decide (only selected ones' scores count), and a run moves with its context
+    sel = [cand(10, 0, 256, 0.9), cand(20, 1, 256, 0.4)]
+    ctx = {10: [cand(11, 0, 0, 0.0)], 20: [cand(21, 1, 0, 5.0)]}
+    w = plan(sel, 20, 10, 10, 8192, 2, ctx, order="best_last")
+    assert [s.candidate.row for s in w.slots] == [21, 20, 11, 10]
+    with pytest.raises(ValueError, match="order"):
+        plan(cs, 20, 5, 5, 8192, 4, order="nearest")
+
+
+def test_seam_positions_are_the_first_tokens_of_each_run_that_meets_new_context():
+    C, p = 256, 20
+    seg = lambda row, i, deposit_block: Candidate(row, "d", 0, i * C, C, p + deposit_block * C, 1.0)  # noqa: E731
+    # one run from its segment's start, grafted exactly: no seam
+    w = plan([seg(0, 0, 0), seg(1, 1, 1)], p, 5, 5, 8192, 2)
+    assert w.exact_prefix_tokens() == p + 2 * C and w.seam_positions(16) == []
+    # + a run of another segment (blocks 8, 9 of the document, computed from its segment's start)
+    w = plan([seg(0, 0, 0), seg(1, 1, 1), seg(8, 8, 0), seg(9, 9, 1)], p, 5, 5, 8192, 4)
+    assert w.seam_positions(16) == list(range(p + 2 * C, p + 2 * C + 16))
+    assert w.seam_positions(0) == []
+    # consecutive in the document but deposited in two segments: the second segment starts a run
+    w = plan([seg(0, 0, 0), seg(1, 1, 0)], p, 5, 5, 8192, 2)
+    assert w.seam_positions(4) == list(range(p + C, p + C + 4))
+    # a leading run cut from the front (not its segment's start) meets the prelude: a seam too
+    w = plan([seg(5, 5, 2), seg(6, 6, 3)], p, 5, 5, 8192, 2)
+    assert w.exact_prefix_tokens() == p and w.seam_positions(8) == list(range(p, p + 8))
+    # n past a short run's end stops at the run's end
+    short = Candidate(7, "e", 1, 0, 10, p + 5 * C, 1.0)
+    w = plan([seg(0, 0, 0), short], p, 5, 5, 8192, 2)
+    assert w.seam_positions(64) == list(range(p + C, p + C + 10))

@@ -7,8 +7,9 @@ import json
 from kvmemory.cli.common import KVMemoryError, open_memory, positive_int
 from kvmemory.config import ASK_CONTEXT_TOKENS as CONTEXT_TOKENS, ASK_MIN_RELEVANCE as MIN_RELEVANCE
 from kvmemory.config import ASK_RECOMPUTE as RECOMPUTE, ASK_RERANK as RERANK, ASK_RERANK_MARGIN as RERANK_MARGIN
-from kvmemory.config import ASK_TOP_K as TOP_K
+from kvmemory.config import ASK_ORDER as ORDER, ASK_SEAM as SEAM, ASK_TOP_K as TOP_K
 from kvmemory.index import SELECTORS
+from kvmemory.window import ORDERS
 
 
 def register(add) -> None:
@@ -49,6 +50,12 @@ def register(add) -> None:
                          f"(default {RERANK_MARGIN})")
     sp.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
                     help=f"at most N grafted tokens, whatever the store's size (default {CONTEXT_TOKENS})")
+    sp.add_argument("--seam", type=int, default=None, metavar="N",
+                    help=f"recompute the first N tokens of every grafted run that meets context it was not "
+                         f"computed in, at every layer (default {SEAM}; 0: off)")
+    sp.add_argument("--order", choices=list(ORDERS), default=None,
+                    help=f"document: runs in document order; best_last: the run holding the best block nearest "
+                         f"the question (default {ORDER})")
     sp.add_argument("--no-expand", action="store_true",
                     help="graft only the selected blocks, without the blocks before them in their segment")
     sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
@@ -108,7 +115,8 @@ def cmd_ask(args) -> int:
     with open_memory(args, read_only=False) as mem:
         ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens,
                       recompute=args.recompute, expand=not args.no_expand, min_relevance=args.min_relevance,
-                      rerank=args.rerank, rerank_margin=args.rerank_margin, max_context_tokens=args.max_context_tokens)
+                      rerank=args.rerank, rerank_margin=args.rerank_margin, max_context_tokens=args.max_context_tokens,
+                      seam=args.seam, order=args.order)
     if args.json:
         print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
         return 0

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from kvmemory.index import SELECTORS
+from kvmemory.window import ORDERS
 
 MAX_STOP = 4
 STRICT = ConfigDict(strict=True, extra="forbid")
@@ -273,6 +274,8 @@ class AskRequest(BaseModel):
     rerank: Annotated[int | None, Field(ge=0, le=64)] = None
     rerank_margin: Annotated[float | None, Field(ge=0.0, le=100.0)] = None
     max_context_tokens: Annotated[int | None, Field(ge=1, le=1 << 20)] = None
+    seam: Annotated[int | None, Field(ge=0, le=4096)] = None
+    order: Literal[tuple(ORDERS)] | None = None               # type: ignore[valid-type]
     stream: bool = False
 
 
