@@ -10,7 +10,8 @@ back to back. With segment-prefix expansion (`context`), a selected block comes 
 blocks before it in its deposit segment, down to the segment's start, so it sits after
 exactly the context it was computed with; a run that starts its segment and lands in the
 first slot is then grafted byte for byte, whole. Expansion is budget-aware: when a run does
-not fit whole, it is cut from the front (the selected block itself always comes first). A block computed at deposit position d and placed at slot position s has its
+not fit whole, it is cut from the front (the selected block itself always comes first).
+A block computed at deposit position d and placed at slot position s has its
 keys re-rotated by s - d; when s == d (common: a segment's first block lands in slot 0) it
 is grafted byte for byte. The window's size is bounded by the model's positional window, so
 decode cost per token is flat however large the store is.
@@ -143,7 +144,9 @@ def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int,
             used += p.n_tokens
     runs = _runs(sorted(chosen.values(), key=lambda c: (c.doc_rank, c.doc_start)))
     if order == "best_last" and len(runs) > 1:
-        best = max(range(len(runs)), key=lambda i: max(c.score for c in runs[i] if c.selected))
+        def best_score(run):
+            return max((c.score for c in run if c.selected), default=float("-inf"))
+        best = max(range(len(runs)), key=lambda i: best_score(runs[i]))
         runs.append(runs.pop(best))
     slots, pos = [], prelude_tokens
     for c in (c for run in runs for c in run):
