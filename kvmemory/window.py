@@ -77,7 +77,7 @@ class WindowPlan:
             c = s.candidate
             prev = self.slots[i - 1].candidate if i else None
             follows = (c.deposit_pos == self.prelude_tokens if prev is None else
-                       _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos)
+                       _together(prev, c))
             if s.shift != 0 or not follows:
                 break
             n += c.n_tokens
@@ -95,7 +95,7 @@ class WindowPlan:
         for i, s in enumerate(self.slots):
             c = s.candidate
             prev = self.slots[i - 1].candidate if i else None
-            if prev is not None and _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos:
+            if prev is not None and _together(prev, c):
                 runs[-1][1] = s.offset + c.n_tokens
             else:
                 runs.append([s.offset, s.offset + c.n_tokens])
@@ -158,6 +158,11 @@ def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int,
 def _follows(prev: Candidate, c: Candidate) -> bool:
     """c is the block after prev in the same document."""
     return prev.doc_id == c.doc_id and prev.doc_start + prev.n_tokens == c.doc_start
+
+
+def _together(prev: Candidate, c: Candidate) -> bool:
+    """c was deposited right after prev, in the same forward sequence (computed together)."""
+    return _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos
 
 
 def _runs(cands: list[Candidate]) -> list[list[Candidate]]:
