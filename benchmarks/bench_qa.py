@@ -288,15 +288,20 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
            "x_window": statistics.mean(d["doc_tokens"] for d in docs) / 8192,
            "selection_recall": {s: {str(k): v / n for k, v in d.items()} for s, d in sel.items()},
            "methods": {}, "examples": examples}
-    first = res.get(next(iter(configs), None))
+    first, rag = res.get(next(iter(configs), None)), res.get("rag")
+
+    def paired(r, other):
+        """Question by question against `other`: [right where it was wrong, wrong where it was right]."""
+        return ([sum(a and not b for a, b in zip(r["correct"], other["correct"])),
+                 sum(b and not a for a, b in zip(r["correct"], other["correct"]))] if other else None)
+
     for m, r in res.items():
         k = sum(r["correct"])
-        # paired against the first config (ask's default), question by question: right where it was
-        # wrong, wrong where it was right
-        paired = ([sum(a and not b for a, b in zip(r["correct"], first["correct"])),
-                   sum(b and not a for a, b in zip(r["correct"], first["correct"]))] if first else None)
+        ttft = sorted(r["ttft"])
         out["methods"][m] = {
-            "paired_vs_first_config": paired, "seamed_share": sum(r["seamed"]) / n,
+            "paired_vs_first_config": paired(r, first), "paired_vs_rag": paired(r, rag),
+            "ttft_mean_s": statistics.mean(ttft), "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+            "seamed_share": sum(r["seamed"]) / n,
             "recomputed_mean": statistics.mean(r["recomputed"]),
             "accuracy": k / n, "ci95": wilson(k, n), "recall": sum(r["recall"]) / n,
             "by_shape": {s: sum(c for c, sh in zip(r["correct"], r["shape"]) if sh == s) /
@@ -353,14 +358,17 @@ def main() -> None:
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nQA — SmolLM2-135M-Instruct fp32, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
     print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
-          f"{'TTFT s':>7} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9} {'seamed':>6} {'+/- 1st':>7}")
+          f"{'TTFT s':>7} {'p90 s':>6} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9} {'seamed':>6} "
+          f"{'+/- 1st':>7} {'+/- rag':>7}")
     for r in rows:
         for m, v in r["methods"].items():
             kl = f"{v['kl_vs_rag_median']:.2g}" if v["kl_vs_rag_median"] is not None else "-"
             print(f"{r['doc_tokens']:10.0f} {r['x_window']:5.1f} {r['questions']:3d} {m:>16} {v['accuracy']:8.0%} "
                   f"{v['ci95'][0]:5.0%}-{v['ci95'][1]:4.0%} {v['recall']:6.0%} {v['ttft_median_s']:7.2f} "
-                  f"{v['prefilled_median']:9.0f} {v['restored_median']:8.0f} {v['recomputed_median']:6.0f} {kl:>9} "
-                  f"{v['seamed_share']:6.0%} {'+%d/-%d' % tuple(v['paired_vs_first_config'] or (0, 0)):>7}")
+                  f"{v['ttft_p90_s']:6.2f} {v['prefilled_median']:9.0f} {v['restored_median']:8.0f} "
+                  f"{v['recomputed_median']:6.0f} {kl:>9} {v['seamed_share']:6.0%} "
+                  f"{'+%d/-%d' % tuple(v['paired_vs_first_config'] or (0, 0)):>7} "
+                  f"{'+%d/-%d' % tuple(v['paired_vs_rag'] or (0, 0)):>7}")
     for r in rows:
         print(f"{r['doc_tokens']:10.0f}: {r['haystacks']} haystacks, {r['deposits_reused']} deposits reused "
               f"(--keep), {r['deposit_s']:.0f} s depositing")

@@ -291,8 +291,9 @@ class Memory:
 
     @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text", doc_filter=None) -> list[dict]:
-        """The blocks ask() would select, without generating: [{doc_id, start_token, end_token,
-        score, text}] best first (score: the selector's, higher is better)."""
+        """The blocks ask(rerank=0) would select, without generating: [{doc_id, start_token,
+        end_token, score, text}] best first (score: the selector's, higher is better). ask's
+        default re-rank re-orders the first `rerank` of this ranking with the model."""
         from kvmemory.retrieve import rank_blocks
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")

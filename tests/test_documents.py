@@ -29,14 +29,15 @@ def test_add_docs_ask_remove(mem, rng):
     C = mem.block_tokens
     assert info.doc_id == "manual" and info.blocks == -(-info.n_tokens // C)
     assert [d.doc_id for d in mem.docs()] == ["manual"]
-    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0)
+    # rerank=0: the re-rank's own forwards would page the blocks in first (the tiers are tested here)
+    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0, rerank=0)
     st = ans.stats
     assert st["blocks"] == st["blocks_selected"] == 3 and all(s[0] == "manual" for s in ans.sources)
     assert sum(e - s for _, s, e, _ in ans.sources) == st["tokens_restored"] - len(mem.documents.prelude.ids)
     starts = [s[1] for s in ans.sources]
     assert starts == sorted(starts)                                  # document order, contiguous runs merged
     assert st["tokens_prefilled"] < 40 and st["blocks_from"]["disk"] == 3
-    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0)
+    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0, rerank=0)
     assert again.stats["blocks_from"]["host"] == 3 and again.stats["tiers"]["host"]["hits"] >= 3
     assert again.sources == ans.sources
     # every block is indexed: one key summary each, several dense / BM25 windows each
@@ -204,8 +205,12 @@ def test_retrieve_returns_what_ask_selects(mem, rng):
     lead = mem.tokenizer.decode(ids[max(0, hits[0]["start_token"] - 40):hits[0]["end_token"]])
     assert "vault" in lead or "4417" in lead
     assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
-    ans = mem.ask("What is the vault code?", top_k=1, expand=False, max_new_tokens=2)
+    ans = mem.ask("What is the vault code?", top_k=1, expand=False, max_new_tokens=2, rerank=0)
     assert ans.sources[0][1:3] == (hits[0]["start_token"], hits[0]["end_token"])
+    # the default re-rank re-orders the ranking's first 8 with the model: ask grafts one of them
+    eight = {(h["start_token"], h["end_token"]) for h in mem.retrieve("What is the vault code?", k=8)}
+    ranked = mem.ask("What is the vault code?", top_k=1, expand=False, max_new_tokens=2)
+    assert ranked.sources[0][1:3] in eight and ranked.stats["rerank"] == 8
     with pytest.raises(InputError):
         mem.retrieve("  ")
     with pytest.raises(InputError):
