@@ -46,7 +46,7 @@ from machine import describe  # noqa: E402
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.ask import window_tokens  # noqa: E402
-from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_TOP_K  # noqa: E402
+from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_MARGIN, ASK_TOP_K  # noqa: E402
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
 
@@ -57,7 +57,10 @@ def parse_config(name: str) -> dict:
     """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75', 'k2-rr8-m0.05', 'k8-b2048', 'k2-s16-last' -> ask() keyword
     arguments (c: min_relevance, rr: rerank, m: rerank_margin, b: max_context_tokens, s: seam tokens
     recomputed, last: order "best_last")."""
-    out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE}
+    # no re-rank unless rr is named (ask's default re-ranks: its config is k2-rr8-m0.5), so a name
+    # means what it meant in the earlier result files
+    out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE,
+           "rerank": 0}
     for part in name.split("-"):
         if part.startswith("rr"):
             out["rerank"] = int(part[2:])
@@ -322,9 +325,11 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=60, help="questions per size (default 60)")
     ap.add_argument("--needles-per-doc", type=int, default=None,
                     help="questions per haystack (default: size/1024, at least 8); more haystacks make up the rest")
-    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-r0,k{ASK_TOP_K}-r0.15",
-                    help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB], comma-separated "
-                         "(rr: re-rank N blocks with the model, m: its margin, b: max_context_tokens)")
+    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-rr{ASK_RERANK}-m{ASK_RERANK_MARGIN:g},k{ASK_TOP_K}",
+                    help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB][-sS][-last], "
+                         "comma-separated (rr: re-rank N blocks with the model, 0 unless named; m: its margin, "
+                         "b: max_context_tokens, s: seam tokens, last: order best_last); default: ask's "
+                         "defaults, then the same without the re-rank")
     ap.add_argument("--methods", default="ceiling,full,rag", help="baselines: ceiling, full, rag")
     ap.add_argument("--selectors", default="text,dense,bm25,keys", help="selectors whose recall@k is measured")
     ap.add_argument("--max-new-tokens", type=int, default=20)

@@ -64,9 +64,10 @@ def start(mem, queue_size: int, batch: int = 8):
 
 
 async def load(url: str, model: str, clients: int, seconds: float, rng: random.Random, chat_only: bool = False,
-               peer: bool = False) -> dict:
+               peer: bool = False, ask_extra: dict | None = None) -> dict:
     """chat_only: every request a chat turn (the mix a chat server without /v1/ask can serve too);
-    peer: a server that knows no prompt_cache_key (it is not sent)."""
+    peer: a server that knows no prompt_cache_key (it is not sent); ask_extra: more fields of every
+    ask request (e.g. {"rerank": 0})."""
     import httpx
     lat, status = [], {}
     stop = time.monotonic() + seconds
@@ -89,7 +90,7 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
                         history.pop()
                 else:
                     resp = await c.post("/v1/ask", json={"question": f"What does the {r.choice(WORDS)} do?",
-                                                         "max_new_tokens": 8})
+                                                         "max_new_tokens": 8, **(ask_extra or {})})
                 status[resp.status_code] = status.get(resp.status_code, 0) + 1
                 if resp.status_code == 200:
                     lat.append(time.perf_counter() - t)
@@ -265,6 +266,8 @@ def main() -> int:
     ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
     ap.add_argument("--queue", type=int, default=16)
+    ap.add_argument("--ask-rerank", type=int, default=None, metavar="N",
+                    help="every ask re-ranks N blocks (0: off; default: the server's, kvmemory.config.ASK_RERANK)")
     ap.add_argument("--peer-python", default=None, metavar="PYTHON",
                     help="a python with llama-cpp-python[server]: also run the chat-only load and the 4K conversation "
                          "against its server on the same GGUF (ours is run chat-only too, on the last --batch)")
@@ -288,8 +291,9 @@ def main() -> int:
                                   store_config=StoreConfig(block_tokens=block_tokens, prefill_tokens=prefill_tokens))
             mem.add(harbour, doc_id="harbour")
             srv, t, url = start(mem, args.queue, batch)
-            rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
-                    for c in args.clients.split(",")]
+            ask_extra = {} if args.ask_rerank is None else {"rerank": args.ask_rerank}
+            rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c)),
+                                     ask_extra=ask_extra)) for c in args.clients.split(",")]
             batcher = srv.config.app.state.worker.batcher
             for r in rows:
                 print(f"  {name}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
@@ -329,7 +333,9 @@ def main() -> int:
                 mem.close()
     if args.peer_python:
         extra["peer"] = peer_run(args, level_seed + 7, convo)
+    from kvmemory.config import ASK_RERANK
     res = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
+           "ask_rerank": ASK_RERANK if args.ask_rerank is None else args.ask_rerank,
            "seconds_per_level": args.seconds, "settings": settings, **extra}
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

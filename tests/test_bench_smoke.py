@@ -1,8 +1,9 @@
-"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py, bench_codec.py and bench_lexical.py run end
-to end at a tiny size (so they do not rot), and what they report holds: the window's grafted tokens stay
-within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
+"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py, bench_codec.py, bench_lexical.py and
+bench_serve.py run end to end at a tiny size (so they do not rot), and what they report holds: the window's grafted
+tokens stay within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
 invariant mode is exact, probing every IVF list is the exact search, the compact tier is half the
-bytes at a small, measured error, and the in-place BM25 ranks as bm25s rebuilt."""
+bytes at a small, measured error, the in-place BM25 ranks as bm25s rebuilt, and a live server answers under load
+and restores a conversation it has seen."""
 
 import json
 import subprocess
@@ -48,6 +49,7 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     assert ma["kvm-k2"]["paired_vs_first_config"] == [0, 0] and ma["rag"]["seamed_share"] == 0
     assert ma["rag"]["paired_vs_rag"] == [0, 0] and sum(ma["kvm-k2"]["paired_vs_rag"]) <= 4
     assert all(v["ttft_p90_s"] >= v["ttft_median_s"] > 0 for v in ma.values())
+    assert a["configs"]["kvm-k2"]["rerank"] == 0 and a["configs"]["kvm-k2-rr4-m0.1"]["rerank"] == 4
     assert a["configs"]["kvm-k2-s16-last"]["seam"] == 16 and a["configs"]["kvm-k2-s16-last"]["order"] == "best_last"
     assert [e["replies"] for e in a["rows"][0]["examples"]] == [e["replies"] for e in b["rows"][0]["examples"]]
 
@@ -112,3 +114,19 @@ def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
         assert r["in_place_ms"]["median"] > 0 and r["rebuild_ms"]["median"] > 0 and r["file_mb"] > 0
         assert r["log_reads_back"] and r["append_ms"]["median"] > 0 and r["save_ms"]["median"] > 0
     assert next(tmp_path.glob("lexical-*.png")).stat().st_size > 0 and "| 900 |" in p.stdout
+
+
+@pytest.mark.real_model
+def test_bench_serve_loads_a_live_server_and_restores_the_conversation(tmp_path):
+    out = tmp_path / "serve.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--batch", "8", "--clients", "2", "--seconds", "3",
+                        "--differ", "0", "--deposit-tokens", "0", "--conversation-tokens", "200", "--ask-rerank", "0",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ask_rerank"] == 0
+    (row,) = res["settings"][0]["rows"]
+    assert row["clients"] == 2 and row["ok"] > 0 and row["errors"] == 0 and set(row["status"]) == {"200"}
+    t = res["ttft"]
+    # the second send of the conversation is restored from the store, the first computed
+    assert t["cached_tokens_recomputed"] == 0 and t["cached_tokens_restored"] >= t["conversation_tokens"] - 8
