@@ -5,10 +5,12 @@ like one plain forward pass of the same (invariant) model; the mode is part of t
 
 import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import kvmemory
 from kvmemory import batching
@@ -66,15 +68,30 @@ def _cuts(n: int, how) -> list[int]:
     return list(range(how, n, how)) + [n]
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, 11, 12, 13, 32, 100, 257, 4100])
-def test_a_linear_row_is_the_same_whatever_the_rows_around_it(m, threads):
+class _OneLinear(nn.Module):
+    """What check() reads of a model: its Linear shapes and its head size."""
+
+    def __init__(self, out_f: int, in_f: int):
+        super().__init__()
+        self.proj = nn.Linear(in_f, out_f, bias=False)
+        self.config = SimpleNamespace(head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def mlp_scheme():
+    """The scheme this machine keeps for the default model's MLP shape."""
+    return inv.choose(_OneLinear(1536, 576))
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 12, 13, 16, 17, 32, 57, 100, 257, 4100])
+def test_a_linear_row_is_the_same_whatever_the_rows_around_it(m, threads, mlp_scheme):
     torch.manual_seed(m)
     w, x = torch.randn(1536, 576), torch.randn(m, 576)
     rows = []
     for n in (1, 2):
         torch.set_num_threads(n)
-        full = inv.linear(x, w)
-        alone = torch.cat([inv.linear(x[i:i + 1], w) for i in range(m)])
+        full = inv.linear(x, w, scheme=mlp_scheme)
+        alone = torch.cat([inv.linear(x[i:i + 1], w, scheme=mlp_scheme) for i in range(m)])
         assert torch.equal(full, alone)
         rows.append(full)
     assert torch.equal(rows[0], rows[1])
@@ -82,19 +99,42 @@ def test_a_linear_row_is_the_same_whatever_the_rows_around_it(m, threads):
 
 
 def test_a_machine_whose_gemm_is_not_row_invariant_is_refused(tiny, monkeypatch):
-    """install() checks this machine's kernels first: one that rounds odd row counts differently
-    (simulated) gets InvariantUnavailableError, and the model is left as it was."""
+    """install() checks this machine's kernels first: one whose rounding of a row depends on how
+    many rows the product has (simulated), under every scheme, gets InvariantUnavailableError, and
+    the model is left as it was."""
     model, _ = tiny
     m = copy.deepcopy(model)
     real = F.linear
 
     def skewed(x, w, b=None):
-        out = real(x, w, b)
-        return out + 1e-6 if x.shape[0] % 2 else out
+        return real(x, w, b) * (1 + 1e-5 * (x.shape[0] % 3))
     monkeypatch.setattr(inv.F, "linear", skewed)
     with pytest.raises(inv.InvariantUnavailableError, match="invariant mode cannot be used here"):
         inv.install(m)
     assert not inv.installed(m) and not any(isinstance(x, inv.InvariantLinear) for x in m.modules())
+
+
+def test_a_machine_that_rounds_short_products_apart_gets_the_tiled_scheme(tiny, monkeypatch):
+    """A BLAS that rounds products of fewer than 16 rows unlike longer ones (simulated; seen on an
+    Intel Xeon for the default model's shapes) fails the first scheme and is given the second:
+    short products padded to 16 rows, long ones in 32-row products. Every row then has the bits
+    of a long plain product, so the model computes the same logits in any chunking."""
+    model, tok = tiny
+    real = F.linear
+
+    def short_apart(x, w, b=None):
+        return real(x, w, b) * (1 + 1e-5) if x.shape[0] < 16 else real(x, w, b)
+    monkeypatch.setattr(inv.F, "linear", short_apart)
+    with pytest.raises(inv.InvariantUnavailableError):
+        inv.check(model, scheme=inv.SCHEMES[0])
+    m = copy.deepcopy(model)
+    inv.install(m)
+    assert inv.installed(m) and all(getattr(x, inv.SCHEME_ATTR) == inv.SCHEMES[1] for x in m.modules())
+    ids = [random.Random(2).randrange(100, 5000) for _ in range(90)]
+    with torch.inference_mode():
+        kv1, one = _chunked(m, ids, [90])
+        kv2, pieces = _chunked(m, ids, _cuts(90, 1))                 # every token alone: 1-row products
+    assert torch.equal(kv1, kv2) and torch.equal(one, pieces)
 
 
 def test_attention_matches_sdpa_and_a_query_does_not_depend_on_later_keys():

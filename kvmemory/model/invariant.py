@@ -11,9 +11,10 @@ computation, not like one pass.
 
 The replacements:
 
-- linear: a product of fewer than FULL_ROWS rows is padded with zero rows to a multiple of
-  ROW_QUANTUM (a decode step of one sequence: 4 rows); every other product runs unchanged, since
-  the BLAS already reduces each of its rows the same way (checked at install: `check`).
+- linear: a product of few rows is padded with zero rows (a decode step of one sequence: to 4
+  rows on the reference CPU); every other product runs unchanged where the BLAS already reduces
+  each of its rows the same way, or in products of a fixed number of rows where it does not
+  (SCHEMES; the machine's is chosen and checked at install: `choose`, `check`).
 - attention: keys in KEY_BLOCK-key blocks at absolute key positions (0, 256, 512, ...), the last
   one padded; every product of a block is a fixed-shape problem ([rows, D] x [D, KEY_BLOCK],
   [rows, KEY_BLOCK] x [KEY_BLOCK, D], rows padded as for linear); a query's max over all its
@@ -43,32 +44,50 @@ MODE = "invariant-v1"            # recorded in the fingerprint and the store's h
 DEFAULT = "default"              # the header's name for the default kernels (the key is then absent)
 KEY_BLOCK = 256                  # keys per attention block
 QUERY_SLAB = 64                  # queries scored at once: speed and memory, not bits (2x faster than 256 here)
-# The reference CPU's BLAS (MKL sgemm, AVX-512) reduces a row of an [M, K] x [K, N] product the same
-# way for every M >= 12 and for M = 4 and 8, at one thread and two; M in 1..3 (and 5..7, 9..11 at
-# two threads) takes other paths. So a product of fewer than FULL_ROWS rows is padded with zero
-# rows to a multiple of ROW_QUANTUM, and any other product runs as it is: the same bits per row as
-# any chunking, at the cost of a few zero rows in decoding. Probed for M = 1..620 and 60 random M
-# up to 9,000 on every Linear shape of the default model, and checked on the machine at every
-# install (`check`): a BLAS that does not keep it raises InvariantUnavailableError, never a
-# silent fallback.
-ROW_QUANTUM = 4
-FULL_ROWS = 12
+# How a product's rows are reduced the same way whatever their number: (pad quantum, full rows,
+# tile). A product of fewer than `full rows` rows is padded with zero rows to a multiple of the
+# pad quantum (a decode step of one sequence); a longer one runs as it is (tile None) or in
+# products of exactly `tile` rows, the last padded. The BLAS decides which holds on a machine, so
+# `install` uses the first of SCHEMES that `check` finds keeping every row's bits there:
+# - (4, 12, None): the reference CPU (AMD EPYC, MKL sgemm, AVX-512) reduces a row of an [M, K] x
+#   [K, N] product the same way for every M >= 12 and for M = 4 and 8, at one thread and two
+#   (probed for M = 1..620 and 60 random M up to 9,000 on every Linear shape of the default model).
+# - (16, 16, 32): an Intel Xeon with AVX-512 and AMX (2026-12-03) rounds rows of fewer than 16
+#   unlike longer products at one thread, and at two threads splits a [M, 1536] x [1536, 576]
+#   product of M >= 57 rows unlike one thread; products of 16 and of 32 rows agree with each other
+#   and with one thread's long product. Its price here: the linears of a 256-token prefill 1.6x,
+#   those of a one-sequence decode step 2.8x (against the default kernels).
+# Every scheme `check` accepts gives a row the bits of the same row of a long product at one
+# thread, so which one runs never changes a stored byte; a machine that keeps none raises
+# InvariantUnavailableError, never a silent fallback.
+SCHEMES = ((4, 12, None), (16, 16, 32))
+SCHEME_ATTR = "invariant_scheme"  # each module of an installed model holds its scheme (install sets it)
 
 
 class InvariantUnavailableError(ModelLoadError):
     """This machine's kernels do not reduce rows independently of the row count (see `check`)."""
 
 
-def padded_rows(m: int) -> int:
-    return m if m >= FULL_ROWS else -(-m // ROW_QUANTUM) * ROW_QUANTUM
+def padded_rows(m: int, scheme: tuple = SCHEMES[0]) -> int:
+    q, full, _ = scheme
+    return m if m >= full else -(-m // q) * q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with every row reduced the same way whatever the number of rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scheme: tuple = SCHEMES[0]) -> torch.Tensor:
+    """F.linear with every row reduced the same way whatever the number of rows (under a scheme
+    `check` accepts on this machine)."""
+    _, full, tile = scheme
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
-    pad = padded_rows(m) - m
+    if m >= full and tile is not None:
+        n = -(-m // tile) * tile
+        if n > m:
+            x2 = torch.cat([x2, x2.new_zeros(n - m, x2.shape[1])])
+        out = torch.cat([F.linear(x2[i:i + tile], weight, bias) for i in range(0, n, tile)])[:m]
+        return out.reshape(*shape[:-1], weight.shape[0])
+    pad = padded_rows(m, scheme) - m
     if not pad:
         return F.linear(x, weight, bias)
     out = F.linear(torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]), weight, bias)[:m]
@@ -79,10 +98,10 @@ class InvariantLinear(nn.Linear):
     """nn.Linear through `linear` (installed by swapping a module's class: same parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, getattr(self, SCHEME_ATTR, SCHEMES[0]))
 
 
-def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, scheme=None, **kwargs):
     """Causal attention with a fixed reduction order: query [B, Hq, Lq, D], key/value
     [B, Hkv, Lk, D], the queries being the last Lq of the Lk positions (a prefill chunk or a decode
     step after the cache). Returns (output [B, Lq, Hq, D], None), as transformers' attention
@@ -93,11 +112,13 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     problems; the cache's last, partial block padded on its own), a row's max over all of them (a
     max is exact in any order), its weights, then each block's sum and weighted values added block
     after block in key order. A block past a query's position adds exact zeros after its real
-    blocks, so the result does not depend on how many keys the pass holds beyond it."""
+    blocks, so the result does not depend on how many keys the pass holds beyond it. scheme: how
+    query rows are padded (default: the module's, set by install)."""
     if attention_mask is not None:
         raise ValueError("invariant attention computes its causal mask itself; a padded batch is not supported")
     if dropout:
         raise ValueError("invariant attention is for inference: dropout must be 0")
+    scheme = scheme or getattr(module, SCHEME_ATTR, SCHEMES[0])
     b, hq, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
     g, n = hq // hkv, b * hkv
@@ -109,7 +130,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     outs = []
     for q0 in range(0, lq, QUERY_SLAB):
         r = min(QUERY_SLAB, lq - q0)
-        rows = padded_rows(g * r)
+        rows = padded_rows(g * r, scheme)
         q = q_all[:, :, q0:q0 + r].reshape(n, g * r, d)
         first = lk - lq + q0                                            # position of the slab's first query
         qpos = torch.arange(first, first + r, device=dev).repeat(g)
@@ -149,38 +170,67 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-def check(model, threads: tuple[int, ...] | None = None) -> None:
-    """On this machine, are the model's products row-invariant? For every Linear shape of the model,
-    rows of M-row products (M = 1..13, 64, 255) must equal the same rows of one 300-row product, and
-    attention over slices of 300 queries the same rows of one pass, at the current thread count and
-    at one thread. Raises InvariantUnavailableError naming the first that is not."""
+def check(model, threads: tuple[int, ...] | None = None, scheme: tuple = SCHEMES[0]) -> None:
+    """On this machine, are the model's products row-invariant under `scheme`? For every Linear shape of the model, rows of M-row products (M = 1..13, 16, 17, 31, 33,
+    64, 255) must equal the same rows of one 300-row product, and that product the rows of the
+    plain 300-row product at one thread; attention over slices of 300 queries the same rows of one
+    pass, and that pass the same at every thread count. Checked at the current thread count and at
+    one thread. Raises InvariantUnavailableError naming the first that is not."""
     shapes = sorted({tuple(mod.weight.shape) for mod in model.modules() if isinstance(mod, nn.Linear)})
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     n = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
-    ms = list(range(1, 14)) + [64, 255]
+    ms = list(range(1, 14)) + [16, 17, 31, 33, 64, 255]
     try:
+        torch.set_num_threads(1)
+        probes = []
+        for out_f, in_f in shapes:
+            w, x = torch.randn(out_f, in_f, generator=g), torch.randn(300, in_f, generator=g)
+            probes.append((w, x, F.linear(x, w)))
+        q, k, v = (torch.randn(1, 2, 300, head_dim, generator=g) for _ in range(3))
+        one_pass = None
         for t in threads or tuple(sorted({n, 1})):
             torch.set_num_threads(t)
-            for out_f, in_f in shapes:
-                w = torch.randn(out_f, in_f, generator=g)
-                x = torch.randn(300, in_f, generator=g)
-                full = linear(x, w)
+            for w, x, plain in probes:
+                out_f, in_f = w.shape
+                full = linear(x, w, scheme=scheme)
+                if not torch.equal(full, plain):
+                    raise InvariantUnavailableError(
+                        f"this machine's GEMM rounds a [300, {in_f}] x [{in_f}, {out_f}] product at {t} thread(s) "
+                        f"unlike the plain product at one thread: invariant mode cannot be used here")
                 for mm in (ms if out_f * in_f < 8 << 20 else ms[:13]):   # the LM head: small products only
-                    if not torch.equal(linear(x[:mm], w), full[:mm]):
+                    if not torch.equal(linear(x[:mm], w, scheme=scheme), full[:mm]):
                         raise InvariantUnavailableError(
                             f"this machine's GEMM rounds a [{mm}, {in_f}] x [{in_f}, {out_f}] product's rows unlike "
                             f"the same rows of a longer one at {t} thread(s): invariant mode cannot be used here")
-            q, k, v = (torch.randn(1, 2, 300, head_dim, generator=g) for _ in range(3))
-            full, _ = attention(None, q, k, v)
+            full, _ = attention(None, q, k, v, scheme=scheme)
+            if one_pass is not None and not torch.equal(full, one_pass):
+                raise InvariantUnavailableError(
+                    f"this machine's batched GEMM rounds attention at {t} thread(s) unlike at the first count "
+                    f"checked: invariant mode cannot be used here")
+            one_pass = full
             for a, e in ((0, 1), (0, 13), (5, 6), (40, 299), (255, 257), (299, 300)):
-                part, _ = attention(None, q[:, :, a:e], k[:, :, :e], v[:, :, :e])
+                part, _ = attention(None, q[:, :, a:e], k[:, :, :e], v[:, :, :e], scheme=scheme)
                 if not torch.equal(part, full[:, a:e]):
                     raise InvariantUnavailableError(
                         f"this machine's batched GEMM rounds attention for queries {a}..{e - 1} unlike one pass at "
                         f"{t} thread(s): invariant mode cannot be used here")
     finally:
         torch.set_num_threads(n)
+
+
+def choose(model, threads: tuple[int, ...] | None = None) -> tuple:
+    """The first of SCHEMES that `check` accepts for `model` on this machine; raises the last
+    scheme's InvariantUnavailableError where none is."""
+    err = None
+    for scheme in SCHEMES:
+        try:
+            check(model, threads, scheme)
+        except InvariantUnavailableError as e:
+            err = e
+            continue
+        return scheme
+    raise err
 
 
 def register() -> None:
@@ -190,9 +240,11 @@ def register() -> None:
 
 def install(model) -> None:
     """Put the model in invariant mode, in place (idempotent), after checking that this machine's
-    kernels allow it (`check`)."""
-    check(model)
+    kernels allow it (`choose`: the first scheme `check` accepts)."""
+    scheme = choose(model)
     register()
+    for mod in model.modules():
+        setattr(mod, SCHEME_ATTR, scheme)
     for mod in model.modules():
         if type(mod) is nn.Linear:
             mod.__class__ = InvariantLinear
