@@ -27,6 +27,7 @@ def test_bench_flat_access_reports_a_bounded_window(tmp_path):
     for r in res["rows"]:
         assert 0 < r["grafted_tokens_max"] <= r["max_context_tokens"]
         assert r["ask_ms_p10"] <= r["ask_ms_median"] <= r["ask_ms_p90"] and len(r["ask_ms_all"]) == 3
+        assert 0 <= r["reranked_share"] <= 1 and (r["rerank_ms_mean"] > 0) == (r["reranked_share"] > 0)
     assert out.with_suffix(".png").stat().st_size > 0
 
 
