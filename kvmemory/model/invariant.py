@@ -171,11 +171,12 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
 
 
 def check(model, threads: tuple[int, ...] | None = None, scheme: tuple = SCHEMES[0]) -> None:
-    """On this machine, are the model's products row-invariant under `scheme`? For every Linear shape of the model, rows of M-row products (M = 1..13, 16, 17, 31, 33,
-    64, 255) must equal the same rows of one 300-row product, and that product the rows of the
-    plain 300-row product at one thread; attention over slices of 300 queries the same rows of one
-    pass, and that pass the same at every thread count. Checked at the current thread count and at
-    one thread. Raises InvariantUnavailableError naming the first that is not."""
+    """On this machine, are the model's products row-invariant under `scheme`? For every Linear
+    shape of the model, rows of M-row products (M = 1..13, 16, 17, 31, 33, 64, 255) must equal the
+    same rows of one 300-row product, and that product the plain 300-row product at one thread;
+    attention over slices of 300 queries the same rows of one pass, and that pass the same at every
+    thread count. Checked at the current thread count and at one thread. Raises
+    InvariantUnavailableError naming the first that is not."""
     shapes = sorted({tuple(mod.weight.shape) for mod in model.modules() if isinstance(mod, nn.Linear)})
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     n = torch.get_num_threads()
