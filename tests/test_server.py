@@ -179,6 +179,32 @@ def test_documents_jobs_ask_and_stream(served, rng):
     assert [d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]] == ["notes.txt"]
 
 
+def test_the_servers_ask_rerank_is_what_an_ask_that_sets_none_gets(tmp_path, tiny, rng):
+    """serve --ask-rerank N: an ask that leaves rerank unset re-ranks N blocks (0: none, the most
+    requests/s), one that sets it gets its own; without the option ask's default holds. A bad N is
+    refused before serving."""
+    from kvmemory.config import ASK_RERANK
+    from kvmemory.errors import InputError
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path / "rr.kvm", model=tiny)
+    mem.add(words(rng, 600, "The vault code is 4417.") + " " + words(rng, 300), doc_id="vault")
+    for bad in (-1, 65, True, 2.0):
+        with pytest.raises(InputError):
+            create_app(mem, ask_rerank=bad)
+    seen = {}
+    for name, n in (("off", 0), ("default", None)):
+        srv, t, url = _start(create_app(mem, queue_size=4, ask_rerank=n))
+        try:
+            q = {"question": "What is the vault code?", "max_new_tokens": 2}
+            seen[name] = [httpx.post(url + "/v1/ask", json={**q, **extra}, timeout=120).json()["stats"]["rerank"]
+                          for extra in ({}, {"rerank": 4})]
+        finally:
+            srv.should_exit = True
+            t.join(timeout=30)
+    mem.close()
+    assert seen == {"off": [0, 4], "default": [ASK_RERANK, 4]}
+
+
 def test_full_queue_answers_429_and_a_gone_client_frees_its_slot(tmp_path, tiny, rng):
     from kvmemory.server import create_app
     mem = kvmemory.Memory(tmp_path / "q.kvm", model=tiny)

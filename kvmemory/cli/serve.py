@@ -25,6 +25,9 @@ def register(add) -> None:
     sp.add_argument("--batch", type=positive_int, default=8, metavar="N",
                     help="requests in flight at once, their decoding batched: one forward a step for all "
                          "(continuous batching; default 8; 1: one request at a time, decoded alone)")
+    sp.add_argument("--ask-rerank", type=int, default=None, metavar="N",
+                    help="the re-rank of an ask that does not set `rerank` (0: off, the most requests/s; "
+                         "default: Memory.ask's, kvmemory.config.ASK_RERANK)")
     sp.add_argument("--max-body-mb", type=positive_int, default=16, metavar="MB", help="request size limit (413)")
     sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
@@ -49,8 +52,9 @@ def cmd_serve(args) -> int:
         serve_ray(args.store, host=args.host, port=args.port, replicas=args.replicas,
                   address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
                   queue_size=args.queue, max_body_bytes=args.max_body_mb << 20, batch=args.batch,
-                  invariant=args.invariant)
+                  invariant=args.invariant, ask_rerank=args.ask_rerank)
         return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
-          max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant)
+          max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant,
+          ask_rerank=args.ask_rerank)
     return 0

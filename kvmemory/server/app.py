@@ -30,18 +30,29 @@ DEFAULT_BATCH = 8                                # requests in flight, decoded t
 OPEN_PATHS = ("/health",) + WEB_PATHS            # the page holds no data: it asks for the key
 
 
+def _ask_rerank(n) -> int:
+    """serve's --ask-rerank, held to what a request may set (AskRequest.rerank: 0..64)."""
+    from kvmemory.errors import InputError
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
+        raise InputError(f"ask_rerank is how many ranked blocks an ask re-ranks, 0..64 (0: none), got {n!r}")
+    return n
+
+
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
-               serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH) -> FastAPI:
+               serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH,
+               ask_rerank: int | None = None) -> FastAPI:
     """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
     serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
     serve one store); job_prefix: how job ids start (a replica's rank, for routing); batch: how many
-    requests run at once, their decoding batched (1: one at a time, decoded alone)."""
+    requests run at once, their decoding batched (1: one at a time, decoded alone); ask_rerank: the
+    re-rank of an ask that does not set one (None: Memory.ask's default)."""
     from kvmemory import __version__
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
     c = Context(mem=mem, worker=Worker(queue_size, mem, batch), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
-                sessions=sessions, max_body_bytes=max_body_bytes)
+                sessions=sessions, max_body_bytes=max_body_bytes,
+                ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
     c.chat.pending = lambda: c.worker.pending
     stop = threading.Event()
 
@@ -142,12 +153,13 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
-          invariant: bool | None = None) -> None:
+          invariant: bool | None = None, ask_rerank: int | None = None) -> None:
     """Open (or create) the store and serve it until interrupted (invariant: Memory's)."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
     mem = Memory(store, model=model, invariant=invariant)
-    uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch),
+    uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
+                           ask_rerank=ask_rerank),
                 host=host, port=port, log_level="warning")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -20,6 +20,7 @@ class Context:
     jobs: Jobs
     sessions: Sessions
     max_body_bytes: int
+    ask_defaults: dict = field(default_factory=dict)   # what an ask that leaves a field unset gets (serve --ask-rerank)
 
     @property
     def model_id(self) -> str:

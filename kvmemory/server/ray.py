@@ -119,7 +119,8 @@ class Replica:
     """One Memory and the FastAPI app over it."""
 
     def __init__(self, rank: int, store: str, model, api_key, queue_size: int, max_body_bytes: int,
-                 storage_options, batch: int | None = None, invariant: bool | None = None) -> None:
+                 storage_options, batch: int | None = None, invariant: bool | None = None,
+                 ask_rerank: int | None = None) -> None:
         from kvmemory.memory import Memory
         from kvmemory.server.app import DEFAULT_BATCH, create_app
         from kvmemory.server.persist import SERVE_DIR
@@ -129,7 +130,8 @@ class Replica:
         self.mem = Memory(store, model=model, invariant=invariant, **kw)
         self.app = create_app(self.mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
                               serve_dir=Path(self.mem.path) / SERVE_DIR / f"replica-{self.rank}",
-                              job_prefix=f"job-r{self.rank}-", batch=DEFAULT_BATCH if batch is None else batch)
+                              job_prefix=f"job-r{self.rank}-", batch=DEFAULT_BATCH if batch is None else batch,
+                              ask_rerank=ask_rerank)
         self._life = None
 
     async def _start(self) -> None:
@@ -194,7 +196,8 @@ class Router:
 
 def build(store, replicas: int = 2, model=None, api_key: str | None = None, queue_size: int = 32,
           max_body_bytes: int = 16 << 20, storage_options: dict | None = None, num_cpus: float = 1,
-          num_gpus: float | None = None, batch: int | None = None, invariant: bool | None = None):
+          num_gpus: float | None = None, batch: int | None = None, invariant: bool | None = None,
+          ask_rerank: int | None = None):
     """The Ray Serve application (Router over `replicas` Replica copies)."""
     ray, serve = _serve()
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -206,7 +209,7 @@ def build(store, replicas: int = 2, model=None, api_key: str | None = None, queu
                              ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                              max_ongoing_requests=queue_size + 8).bind(i, str(store), model, api_key, queue_size,
                                                                         max_body_bytes, storage_options, batch,
-                                                                        invariant)
+                                                                        invariant, ask_rerank)
             for i in range(replicas)]
     front = serve.deployment(Router, name="kvmemory-router", num_replicas=1, ray_actor_options={"num_cpus": 0})
     return front.bind(*reps)
@@ -215,7 +218,7 @@ def build(store, replicas: int = 2, model=None, api_key: str | None = None, queu
 def serve_ray(store, host: str = "127.0.0.1", port: int = 8000, replicas: int = 2, address: str | None = None,
               model=None, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
               storage_options: dict | None = None, blocking: bool = True, batch: int | None = None,
-              invariant: bool | None = None):
+              invariant: bool | None = None, ask_rerank: int | None = None):
     """Start (or join) a Ray cluster, run the application on host:port; blocks until interrupted
     unless blocking=False (then returns the Router's handle)."""
     from kvmemory.server.app import check_exposure
@@ -226,7 +229,7 @@ def serve_ray(store, host: str = "127.0.0.1", port: int = 8000, replicas: int = 
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     app = build(store, replicas, model, api_key, queue_size, max_body_bytes, storage_options, batch=batch,
-                invariant=invariant)
+                invariant=invariant, ask_rerank=ask_rerank)
     handle = serve.run(app, name="kvmemory", route_prefix="/")
     for i in range(replicas):                       # every replica up: model loaded, deposit thread started
         serve.get_deployment_handle(f"kvmemory-replica-{i}", app_name="kvmemory").ping.remote().result()

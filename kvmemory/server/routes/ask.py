@@ -14,9 +14,10 @@ STREAMED = {200: {"content": {"text/event-stream": {}},
                   "description": "the answer, or with stream: true delta events and a final one"}}
 
 
-def answer(mem, q: AskRequest, emit) -> dict:
-    """Memory.ask with the request's settings (unset ones take ask's defaults); chat memory is not a document."""
-    kw = {k: v for k, v in q.model_dump(exclude={"question", "stream"}).items() if v is not None}
+def answer(mem, q: AskRequest, emit, defaults: dict | None = None) -> dict:
+    """Memory.ask with the request's settings (unset ones take the server's `defaults`, then ask's);
+    chat memory is not a document."""
+    kw = {**(defaults or {}), **{k: v for k, v in q.model_dump(exclude={"question", "stream"}).items() if v is not None}}
     ans = mem.ask(q.question, max_new_tokens=kw.pop("max_new_tokens", 48), on_token=emit,
                   doc_filter=lambda d: not d.startswith(SESSION_DOCS), **kw)
     return {"answer": ans.text, "sources": passages(mem, ans), "stats": ans.stats}
@@ -25,7 +26,7 @@ def answer(mem, q: AskRequest, emit) -> dict:
 @router.post("/v1/ask", response_model=AskResponse, responses=STREAMED)
 async def ask(q: AskRequest, c: Context = Depends(ctx)):
     if not q.stream:
-        return await c.worker.run(answer, c.mem, q, None)
+        return await c.worker.run(answer, c.mem, q, None, c.ask_defaults)
 
     def events(kind, payload):
         if kind == "delta":
@@ -36,4 +37,4 @@ async def ask(q: AskRequest, c: Context = Depends(ctx)):
         else:
             yield sse(from_exception(payload).body())
             yield sse("[DONE]")
-    return c.worker.stream(lambda emit, cancel: answer(c.mem, q, emit), events)
+    return c.worker.stream(lambda emit, cancel: answer(c.mem, q, emit, c.ask_defaults), events)
