@@ -76,22 +76,18 @@ def padded_rows(m: int, scheme: tuple = SCHEMES[0]) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scheme: tuple = SCHEMES[0]) -> torch.Tensor:
     """F.linear with every row reduced the same way whatever the number of rows (under a scheme
-    `check` accepts on this machine)."""
+    `check` accepts on this machine): the rows, padded with zero rows, in products of `step` rows."""
     _, full, tile = scheme
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
-    if m >= full and tile is not None:
-        n = -(-m // tile) * tile
-        if n > m:
-            x2 = torch.cat([x2, x2.new_zeros(n - m, x2.shape[1])])
-        out = torch.cat([F.linear(x2[i:i + tile], weight, bias) for i in range(0, n, tile)])[:m]
-        return out.reshape(*shape[:-1], weight.shape[0])
-    pad = padded_rows(m, scheme) - m
-    if not pad:
-        return F.linear(x, weight, bias)
-    out = F.linear(torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]), weight, bias)[:m]
-    return out.reshape(*shape[:-1], weight.shape[0])
+    step = tile if m >= full and tile is not None else padded_rows(m, scheme)
+    n = -(-m // step) * step
+    if n > m:
+        x2 = torch.cat([x2, x2.new_zeros(n - m, x2.shape[1])])
+    outs = [F.linear(x2[i:i + step], weight, bias) for i in range(0, n, step)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:m].reshape(*shape[:-1], weight.shape[0])
 
 
 class InvariantLinear(nn.Linear):
