@@ -50,11 +50,11 @@ def label(batch: int, invariant: bool, block_tokens: int, prefill_tokens: int = 
         (f", prefill in {prefill_tokens}s" if prefill_tokens not in (0, block_tokens) else "")
 
 
-def start(mem, queue_size: int, batch: int = 8):
+def start(mem, queue_size: int, batch: int = 8, ask_rerank: int | None = None):
     import uvicorn
 
     from kvmemory.server import create_app
-    app = create_app(mem, queue_size=queue_size, batch=batch)
+    app = create_app(mem, queue_size=queue_size, batch=batch, ask_rerank=ask_rerank)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -64,10 +64,9 @@ def start(mem, queue_size: int, batch: int = 8):
 
 
 async def load(url: str, model: str, clients: int, seconds: float, rng: random.Random, chat_only: bool = False,
-               peer: bool = False, ask_extra: dict | None = None) -> dict:
+               peer: bool = False) -> dict:
     """chat_only: every request a chat turn (the mix a chat server without /v1/ask can serve too);
-    peer: a server that knows no prompt_cache_key (it is not sent); ask_extra: more fields of every
-    ask request (e.g. {"rerank": 0})."""
+    peer: a server that knows no prompt_cache_key (it is not sent)."""
     import httpx
     lat, status = [], {}
     stop = time.monotonic() + seconds
@@ -90,7 +89,7 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
                         history.pop()
                 else:
                     resp = await c.post("/v1/ask", json={"question": f"What does the {r.choice(WORDS)} do?",
-                                                         "max_new_tokens": 8, **(ask_extra or {})})
+                                                         "max_new_tokens": 8})
                 status[resp.status_code] = status.get(resp.status_code, 0) + 1
                 if resp.status_code == 200:
                     lat.append(time.perf_counter() - t)
@@ -267,7 +266,8 @@ def main() -> int:
     ap.add_argument("--conversation-tokens", type=int, default=4096)
     ap.add_argument("--queue", type=int, default=16)
     ap.add_argument("--ask-rerank", type=int, default=None, metavar="N",
-                    help="every ask re-ranks N blocks (0: off; default: the server's, kvmemory.config.ASK_RERANK)")
+                    help="the server's `serve --ask-rerank N`: every ask re-ranks N blocks (0: off; default: "
+                         "Memory.ask's, kvmemory.config.ASK_RERANK)")
     ap.add_argument("--peer-python", default=None, metavar="PYTHON",
                     help="a python with llama-cpp-python[server]: also run the chat-only load and the 4K conversation "
                          "against its server on the same GGUF (ours is run chat-only too, on the last --batch)")
@@ -290,10 +290,9 @@ def main() -> int:
             mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant,
                                   store_config=StoreConfig(block_tokens=block_tokens, prefill_tokens=prefill_tokens))
             mem.add(harbour, doc_id="harbour")
-            srv, t, url = start(mem, args.queue, batch)
-            ask_extra = {} if args.ask_rerank is None else {"rerank": args.ask_rerank}
-            rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c)),
-                                     ask_extra=ask_extra)) for c in args.clients.split(",")]
+            srv, t, url = start(mem, args.queue, batch, args.ask_rerank)
+            rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
+                    for c in args.clients.split(",")]
             batcher = srv.config.app.state.worker.batcher
             for r in rows:
                 print(f"  {name}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
@@ -326,7 +325,7 @@ def main() -> int:
             mem.close()
             if bi == len(batches) - 1 and "ttft" in extra:      # the same conversation after a restart
                 mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant)
-                srv, t, url = start(mem, args.queue, batch)
+                srv, t, url = start(mem, args.queue, batch, args.ask_rerank)
                 extra["ttft"]["restored_after_restart_s"] = ttft(url, mem.model_name, convo)[0]
                 srv.should_exit = True
                 t.join(timeout=30)
