@@ -33,6 +33,7 @@ import threading
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from kvmemory.device import ids_tensor
 
@@ -139,6 +140,67 @@ def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits = model.lm_head(inner.norm(x))                                   # [B, 1, vocab]
     return [logits[b, -1] for b in range(B)]
+
+
+@torch.inference_mode()
+def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> list[torch.Tensor]:
+    """Several sequences' tokens in one pass over the weights: ids[i] ([T_i] token ids) run after
+    caches[i] (each extended in place), as a prefill of each alone would; -> per sequence the
+    logits of its last keep[i] positions [keep_i, vocab].
+
+    The rows of every sequence go through each Linear, norm and MLP together; attention runs per
+    sequence over its own cache (causal among its new tokens), at its own positions. One
+    sequence, or a model the batched step does not know: the model's own forward. Several: a
+    sequence's rows may round differently in the last bits than its prefill alone (the GEMM's
+    kernel depends on the row count), deterministically for the same inputs; in invariant mode
+    (kvmemory/model/invariant.py) they are its prefill alone, bit for bit."""
+    if len(caches) != len(ids) or len(ids) != len(keep) or any(not t for t in ids) or any(
+            not 1 <= k <= len(t) for k, t in zip(keep, ids)):
+        raise ValueError("forward_many: one non-empty token list and 1 <= keep <= its length per cache")
+    if len(caches) == 1 or not llama_like(model):
+        return [model(input_ids=ids_tensor(t, model), past_key_values=c, use_cache=True,
+                      logits_to_keep=k).logits[0] for c, t, k in zip(caches, ids, keep)]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+    from kvmemory.model.invariant import NAME as INVARIANT
+    inner, dev = model.model, model.device
+    lens = [c.get_seq_length() for c in caches]
+    sizes = [len(t) for t in ids]
+    offs = [sum(sizes[:b]) for b in range(len(sizes))]
+    x = inner.embed_tokens(torch.tensor([[t for seq in ids for t in seq]], dtype=torch.long, device=dev))
+    pos = torch.tensor([[n + j for n, T in zip(lens, sizes) for j in range(T)]], dtype=torch.long, device=dev)
+    cos, sin = inner.rotary_emb(x, pos)                                     # [1, R, D]
+    impl = model.config._attn_implementation
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+    masks = [None if impl == INVARIANT or T == 1 else
+             torch.ones(T, n + T, dtype=torch.bool, device=dev).tril(diagonal=n)[None, None]
+             for n, T in zip(lens, sizes)]
+    R = x.shape[1]
+    for i, layer in enumerate(inner.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (1, R, -1, a.head_dim)
+        q = a.q_proj(h).view(shape).transpose(1, 2)                         # [1, H, R, D]
+        k = a.k_proj(h).view(shape).transpose(1, 2)
+        v = a.v_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for b, c in enumerate(caches):
+            sl = slice(offs[b], offs[b] + sizes[b])
+            kb, vb = c.update(k[:, :, sl].contiguous(), v[:, :, sl].contiguous(), i)
+            if impl == "sdpa":          # the heads shared in the kernel: no copy of the keys per query head
+                o = F.scaled_dot_product_attention(q[:, :, sl], kb, vb, attn_mask=masks[b], scale=a.scaling,
+                                                   enable_gqa=True).transpose(1, 2)
+            else:
+                o, _ = attend(a, q[:, :, sl], kb, vb, masks[b], dropout=0.0, scaling=a.scaling)
+            outs.append(o)                                                  # [1, T_b, Hq, D]
+        o = torch.cat(outs, dim=1).reshape(1, R, -1).contiguous()
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    rows = [r for b in range(len(ids)) for r in range(offs[b] + sizes[b] - keep[b], offs[b] + sizes[b])]
+    logits = model.lm_head(inner.norm(x[:, rows]))[0]                       # [sum keep, vocab]
+    return list(torch.split(logits, keep))
 
 
 def reserve(cache, extra: int) -> None:

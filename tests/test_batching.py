@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.batching import Batcher, llama_like, reserve, serving, step
+from kvmemory.batching import Batcher, forward_many, llama_like, reserve, serving, step
 from kvmemory.decode import greedy, sampler
 
 
@@ -51,6 +51,45 @@ def test_a_batched_step_is_each_sequence_decoded_alone(tiny, rng):
     # one sequence: the model's own forward, bit for bit
     c, lg = _prefill(model, prompts[0])
     assert torch.equal(step(model, [c], [int(lg.argmax())])[0], alone[0])
+
+
+@pytest.mark.parametrize("mode", ["default", "invariant"])
+def test_forward_many_is_each_sequence_prefilled_alone(tiny, rng, mode):
+    """Several sequences' multi-token prefills in one pass: each one's kept logits and its cache
+    as its own forward after its own cache gives them (bit for bit in invariant mode, to the last
+    bits of a GEMM over more rows otherwise); one sequence: the model's own forward, bit for bit."""
+    import copy
+
+    from kvmemory.model import invariant as inv
+    model = tiny[0]
+    if mode == "invariant":
+        model = copy.deepcopy(model)
+        inv.install(model)
+    prompts = _prompts(rng, 4, lo=20, hi=300)
+    news = _prompts(rng, 4, lo=1, hi=16)
+    keep = [rng.randrange(1, len(t) + 1) for t in news]
+    alone, alone_caches = [], []
+    for p, t, k in zip(prompts, news, keep):
+        c, _ = _prefill(model, p)
+        with torch.inference_mode():
+            alone.append(model(input_ids=torch.tensor([t]), past_key_values=c, use_cache=True,
+                               logits_to_keep=k).logits[0])
+        alone_caches.append(c)
+    caches = [_prefill(model, p)[0] for p in prompts]
+    out = forward_many(model, caches, news, keep)
+    for a, b, c, ca, p, t, k in zip(alone, out, caches, alone_caches, prompts, news, keep):
+        assert b.shape == (k, model.config.vocab_size) and c.get_seq_length() == len(p) + len(t)
+        ka, kb = torch.stack([l.keys for l in ca.layers]), torch.stack([l.keys for l in c.layers])
+        if mode == "invariant":
+            assert torch.equal(b, a) and torch.equal(kb, ka)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(kb, ka, rtol=1e-4, atol=1e-4)
+    c, _ = _prefill(model, prompts[0])
+    assert torch.equal(forward_many(model, [c], [news[0]], [keep[0]])[0], alone[0])
+    for bad in (([], [1]), ([[1, 2]], [3]), ([[1]], [0])):
+        with pytest.raises(ValueError, match="forward_many"):
+            forward_many(model, [c] * len(bad[0]) or [c], *bad)
 
 
 def test_a_step_writes_into_reserved_room_the_same_numbers_as_it_appends(tiny, rng):
