@@ -36,7 +36,7 @@ def test_a_batched_step_is_each_sequence_decoded_alone(tiny, rng):
     model, _ = tiny
     assert llama_like(model)
     prompts = _prompts(rng, 5)
-    alone, batched = [], []
+    alone = []
     for p in prompts:
         c, lg = _prefill(model, p)
         t = int(lg.argmax())

@@ -95,13 +95,13 @@ def test_ask_holds_the_grafted_tokens_to_the_budget(mem, rng):
     q = "river lantern copper meadow falcon?"
     C = mem.block_tokens
     p = len(mem.documents.prelude.ids)
-    for rerank in (0, 8):               # the budget holds whatever the re-rank keeps
-        wide = mem.ask(q, top_k=8, min_relevance=0.0, max_new_tokens=2, max_context_tokens=1 << 20, rerank=rerank)
-        tight = mem.ask(q, top_k=8, min_relevance=0.0, max_new_tokens=2, max_context_tokens=4 * C, rerank=rerank)
+    for rr in (0, 8):                   # the budget holds whatever the re-rank keeps
+        wide = mem.ask(q, top_k=8, min_relevance=0.0, max_new_tokens=2, max_context_tokens=1 << 20, rerank=rr)
+        tight = mem.ask(q, top_k=8, min_relevance=0.0, max_new_tokens=2, max_context_tokens=4 * C, rerank=rr)
         assert wide.stats["tokens_restored"] - p > 4 * C >= tight.stats["tokens_restored"] - p
         assert sum(s.candidate.n_tokens for s in tight.window.slots) == tight.stats["tokens_restored"] - p
         assert tight.stats["max_context_tokens"] == 4 * C
-        if rerank == 0:
+        if rr == 0:
             # the 8 contenders are the fused ranking's first 8 and every block holds <= C tokens, so
             # at least 4 fit; more only where short blocks (a document's last) leave room for them
             sel = [s.candidate for s in tight.window.slots if s.candidate.selected]
