@@ -78,18 +78,27 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
             while time.monotonic() < stop:
                 t = time.perf_counter()
                 coin = r.random()
-                if chat_only or coin < 0.5:
-                    history.append({"role": "user", "content": text(r, 12) + "?"})
-                    resp = await c.post("/v1/chat/completions", json={
-                        "model": model, "messages": history, "temperature": 0, "max_tokens": 8,
-                        **({} if peer else {"prompt_cache_key": f"bench-{k}"})})
-                    if resp.status_code == 200:
-                        history.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+                try:
+                    if chat_only or coin < 0.5:
+                        history.append({"role": "user", "content": text(r, 12) + "?"})
+                        resp = await c.post("/v1/chat/completions", json={
+                            "model": model, "messages": history, "temperature": 0, "max_tokens": 8,
+                            **({} if peer else {"prompt_cache_key": f"bench-{k}"})})
+                        if resp.status_code == 200:
+                            history.append({"role": "assistant",
+                                            "content": resp.json()["choices"][0]["message"]["content"]})
+                        else:
+                            history.pop()
                     else:
+                        resp = await c.post("/v1/ask", json={"question": f"What does the {r.choice(WORDS)} do?",
+                                                             "max_new_tokens": 8})
+                except httpx.TransportError as e:        # counted as an error, not a crash of the benchmark
+                    if chat_only or coin < 0.5:
                         history.pop()
-                else:
-                    resp = await c.post("/v1/ask", json={"question": f"What does the {r.choice(WORDS)} do?",
-                                                         "max_new_tokens": 8})
+                    key = f"transport:{type(e).__name__}"
+                    status[key] = status.get(key, 0) + 1
+                    await asyncio.sleep(0.2)
+                    continue
                 status[resp.status_code] = status.get(resp.status_code, 0) + 1
                 if resp.status_code == 200:
                     lat.append(time.perf_counter() - t)
@@ -104,7 +113,7 @@ async def load(url: str, model: str, clients: int, seconds: float, rng: random.R
     return {"clients": clients, "seconds": wall, "ok": len(lat), "requests_per_s": len(lat) / wall,
             "p50_s": statistics.median(lat) if lat else None,
             "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
-            "status": {str(k): v for k, v in sorted(status.items())},
+            "status": {str(k): v for k, v in sorted(status.items(), key=lambda kv: str(kv[0]))},
             "errors": sum(v for k, v in status.items() if k not in (200, 429))}
 
 
@@ -231,8 +240,14 @@ def peer_run(args, rng_seed: int, convo: list) -> dict:
     gguf = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     proc, url = start_llama(args.peer_python, gguf, args.peer_threads)
     try:
-        rows = [asyncio.run(load(url, "peer", int(c), args.seconds, random.Random(rng_seed + int(c)),
-                                 chat_only=True, peer=True)) for c in args.clients.split(",")]
+        rows = []
+        for c in args.clients.split(","):
+            rows.append(asyncio.run(load(url, "peer", int(c), args.seconds, random.Random(rng_seed + int(c)),
+                                         chat_only=True, peer=True)))
+            if proc.poll() is not None:        # it died under the load: say so, start it again for the next
+                rows[-1]["peer_exit_code"] = proc.returncode
+                print(f"  llama.cpp's server exited with {proc.returncode} at {c} clients", file=sys.stderr)
+                proc, url = start_llama(args.peer_python, gguf, args.peer_threads)
         first, _ = ttft(url, "peer", convo, usage=False)
         again, _ = ttft(url, "peer", convo, usage=False)
     finally:

@@ -131,3 +131,19 @@ def test_bench_serve_loads_a_live_server_and_restores_the_conversation(tmp_path)
     t = res["ttft"]
     # the second send of the conversation is restored from the store, the first computed
     assert t["cached_tokens_recomputed"] == 0 and t["cached_tokens_restored"] >= t["conversation_tokens"] - 8
+
+
+def test_bench_serve_counts_a_server_that_drops_connections_as_errors():
+    """A server that dies under the load (llama.cpp's crashed on one machine) is counted, per
+    kind of transport failure, among the errors of the level instead of ending the benchmark."""
+    import asyncio
+    import random
+    import socket
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_serve import load
+    with socket.socket() as s:                     # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    row = asyncio.run(load(f"http://127.0.0.1:{port}", "peer", 2, 0.6, random.Random(1), chat_only=True, peer=True))
+    assert row["ok"] == 0 and row["p50_s"] is None
+    assert set(row["status"]) == {"transport:ConnectError"} and row["errors"] == row["status"]["transport:ConnectError"] >= 2
