@@ -46,7 +46,7 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     assert a["prose"] == "stdlib"                                                # the default haystack prose
     assert "reusing the deposit" in second.stderr
     ma, mb = a["rows"][0]["methods"], b["rows"][0]["methods"]
-    assert set(ma) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1", "kvm-k2-s16-last"}
+    assert set(ma) == set(mb) == {"rag", "kvm-k2", "kvm-k2-rr4-m0.1", "kvm-k2-s16-last"}
     assert ma["kvm-k2"]["paired_vs_first_config"] == [0, 0] and ma["rag"]["seamed_share"] == 0
     assert ma["rag"]["paired_vs_rag"] == [0, 0] and sum(ma["kvm-k2"]["paired_vs_rag"]) <= 4
     assert all(v["ttft_p90_s"] >= v["ttft_median_s"] > 0 for v in ma.values())
