@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemory import kv as kvops
+from kvmemory import batching, kv as kvops
 from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_ORDER, ASK_RECOMPUTE, ASK_RERANK,
                              ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
 from kvmemory.decode import TextStream, greedy
@@ -173,7 +173,7 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     graft_s = time.perf_counter() - t
     # ---- answer
     t = time.perf_counter()
-    recomputed = 0
+    recomputed, feed = 0, None
     exact_tokens = window.exact_prefix_tokens()
     if recompute > 0 or seams:
         from kvmemory.blend import blend_prefill
@@ -184,14 +184,31 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         cache = kvops.make_cache(kv, mem.model.config)
     else:
         cache = kvops.make_cache(ctx_kv, mem.model.config)
-        logits = kvops.last_logits(mem.model, ids_tensor(q_ids, mem.model), cache)
+        batcher = batching.current()
+        if batcher is not None and batcher.model is mem.model:
+            # served with others: the question's tokens are this sequence's rows of the decode
+            # loop's next step (greedy's feed), not a pass over the weights of their own
+            logits, feed = None, list(q_ids)
+        else:
+            logits = kvops.last_logits(mem.model, ids_tensor(q_ids, mem.model), cache)
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
     stream = TextStream(mem.tokenizer, on_text=on_token, strip=True)
-    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=stream)
+    first: list[float] = []
+
+    def took(ids):                     # when the first token came (with a feed, its prefill ends there)
+        if not first:
+            first.append(time.perf_counter())
+        return stream(ids)
+    firsts: list = []
+    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=took, feed=feed, first=firsts)
+    logits = firsts[0]
     text = stream.finish(new)
     decode_s = time.perf_counter() - t
+    if feed is not None:
+        fed = (first[0] if first else time.perf_counter()) - t
+        first_token_s, ttft, decode_s = first_token_s + fed, ttft + fed, decode_s - fed
     exact = exact_tokens - window.prelude_tokens
     stats = {
         "selector": selector, "top_k": top_k, "recompute": recompute, "min_relevance": min_relevance,

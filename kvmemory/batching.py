@@ -14,7 +14,8 @@ padding and no mask), each token's KV written in place into room reserved when t
 joins (`reserve`: no concatenation of the whole cache a step); each sequence's position is its own
 cache length, as in an unbatched forward. A chat request joins with its prompt's last token not
 yet computed (greedy's `feed`): that token is its first row of a step, so it shares the pass over
-the weights with the others' decoding instead of taking one of its own. Sampling is per sequence
+the weights with the others' decoding instead of taking one of its own; an ask joins the same way
+with its question's tokens (several rows: that step runs through `forward_many`). Sampling is per sequence
 (its own pick: greedy, temperature / top_p, its own seeded generator), and so are stop strings and
 cancellation (its on_token callback).
 
@@ -63,11 +64,11 @@ def serving(batcher) -> None:
 
 
 class _Seq:
-    __slots__ = ("cache", "logits", "max_new", "eos", "on_token", "pick", "new", "next", "error", "done")
+    __slots__ = ("cache", "logits", "max_new", "eos", "on_token", "pick", "new", "next", "error", "done", "first")
 
-    def __init__(self, cache, logits, max_new, eos, on_token, pick) -> None:
+    def __init__(self, cache, logits, max_new, eos, on_token, pick, first=None) -> None:
         self.cache, self.logits, self.max_new, self.eos = cache, logits, max_new, eos
-        self.on_token, self.pick = on_token, pick
+        self.on_token, self.pick, self.first = on_token, pick, first
         self.new: list[int] = []
         self.next: int | None = None
         self.error: BaseException | None = None
@@ -75,6 +76,8 @@ class _Seq:
 
     def push(self, logits: torch.Tensor) -> bool:
         """Choose the next token from `logits`; True when it needs a forward (greedy()'s rules)."""
+        if self.first is not None and not self.first:
+            self.first.append(logits.clone())
         nxt = self.pick(logits)
         if nxt in self.eos or len(self.new) >= self.max_new:
             return False
@@ -268,10 +271,12 @@ class Batcher:
         self.rows = 0                     # sequences x steps: rows / steps is the mean batch
         self.widest = 0
 
-    def decode(self, cache, logits, max_new_tokens: int, eos, on_token=None, pick=None, feed=None) -> list[int]:
+    def decode(self, cache, logits, max_new_tokens: int, eos, on_token=None, pick=None, feed=None,
+               first=None) -> list[int]:
         """greedy()'s contract, decoded in the shared loop; blocks until this sequence is done.
-        logits None: `feed` (the prompt's last token) is the sequence's first row of a step."""
-        seq = _Seq(cache, logits, max_new_tokens, eos, on_token, pick or (lambda x: int(x.argmax())))
+        logits None: `feed` (the prompt's last token, or a list of its last tokens) is the
+        sequence's first row(s) of a step (a list: a step through forward_many)."""
+        seq = _Seq(cache, logits, max_new_tokens, eos, on_token, pick or (lambda x: int(x.argmax())), first)
         if logits is None:
             seq.next = feed
         self._ensure()
@@ -295,8 +300,8 @@ class Batcher:
                 self._thread.start()
 
     def _admit(self, seq, active: list) -> None:
-        if seq.logits is None:                 # its prompt's last token first
-            reserve(seq.cache, seq.max_new)
+        if seq.logits is None:                 # its prompt's last token(s) first
+            reserve(seq.cache, seq.max_new + (len(seq.next) if isinstance(seq.next, list) else 0))
             active.append(seq)
             return
         try:
@@ -334,7 +339,13 @@ class Batcher:
                 continue
             try:
                 with self.lock:
-                    out = step(self.model, [s.cache for s in active], [s.next for s in active])
+                    toks = [s.next for s in active]
+                    if any(isinstance(t, list) for t in toks):     # a prompt's last tokens: rows of the pass
+                        out = [lg[-1] for lg in forward_many(self.model, [s.cache for s in active],
+                                                             [t if isinstance(t, list) else [t] for t in toks],
+                                                             [1] * len(toks))]
+                    else:
+                        out = step(self.model, [s.cache for s in active], toks)
             except BaseException as e:    # noqa: BLE001 -- every sequence of the step learns it
                 for s in active:
                     s.error = e

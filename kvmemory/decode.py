@@ -11,16 +11,19 @@ from kvmemory.device import ids_tensor
 
 @torch.inference_mode()
 def greedy(model, cache, logits: torch.Tensor | None, max_new_tokens: int, eos: set[int], on_token=None,
-           pick=None, feed: int | None = None) -> list[int]:
+           pick=None, feed: int | list[int] | None = None, first: list | None = None) -> list[int]:
     """Tokens after `logits` (of the last token already in `cache`), extending cache in place.
-    logits None: `feed`, the prompt's last token, is not in the cache yet; its forward is the
-    decoding's first (alone: the model's own forward of that token, as a caller would run it; in a
-    batcher: one row of a batched step, so a request's last prompt token shares the pass that
-    streams the weights with the others' decode steps).
+    logits None: `feed`, the prompt's last token (or its last tokens, a list), is not in the cache
+    yet; its forward is the decoding's first (alone: the model's own forward of those tokens, as a
+    caller would run it, kv.last_logits for a list; in a batcher: rows of a batched step, so a
+    request's last prompt tokens share the pass that streams the weights with the others' decode
+    steps).
 
     pick(logits) -> token id chooses each token (default: argmax, greedy). Stops at an eos id
     (not included), after max_new_tokens, or when on_token(new_ids), called after each token (for
     streaming), returns True; no forward pass for a token it would not use.
+
+    first: a list that gets the logits the first token is picked from (with a feed, computed here).
 
     On a thread that serves through a kvmemory.batching.Batcher of this model, the sequence decodes
     in the batcher's shared loop (continuous batching) under the same rules."""
@@ -29,11 +32,16 @@ def greedy(model, cache, logits: torch.Tensor | None, max_new_tokens: int, eos: 
     if logits is None and feed is None:
         raise ValueError("greedy() needs the logits of the prompt's last token or that token (feed)")
     if b is not None and b.model is model:
-        return b.decode(cache, logits, max_new_tokens, eos, on_token, pick, feed)
-    if logits is None:
+        return b.decode(cache, logits, max_new_tokens, eos, on_token, pick, feed, first)
+    if logits is None and isinstance(feed, list):
+        from kvmemory.kv import last_logits
+        logits = last_logits(model, ids_tensor(feed, model), cache)
+    elif logits is None:
         logits = model(input_ids=ids_tensor([feed], model), past_key_values=cache, use_cache=True).logits[0, -1]
     pick = pick or (lambda x: int(x.argmax()))
     new: list[int] = []
+    if first is not None:
+        first.append(logits)
     nxt = pick(logits)
     while nxt not in eos and len(new) < max_new_tokens:
         new.append(nxt)

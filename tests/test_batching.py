@@ -151,6 +151,58 @@ def test_a_fed_prompt_token_decodes_in_the_batch_as_its_own_forward_would(tiny, 
         b.close()
 
 
+@pytest.mark.parametrize("mode", ["default", "invariant"])
+def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny, rng, mode):
+    """greedy(feed=[...]): a prompt's last tokens (an ask's question) not yet in the cache: alone,
+    kv.last_logits of them then decoding; in a batcher, rows of a step (forward_many) beside the
+    others' one-token rows. Invariant mode: every reply is the one decoded alone, token for token."""
+    import copy
+
+    from kvmemory.model import invariant as inv
+    model = tiny[0]
+    if mode == "invariant":
+        model = copy.deepcopy(model)
+        inv.install(model)
+    prompts = _prompts(rng, 6, lo=20, hi=60)
+    tails = [rng.randrange(2, 15) if i % 2 == 0 else 1 for i in range(len(prompts))]
+    lengths = [rng.randrange(2, 20) for _ in prompts]
+    firsts_alone = [[] for _ in prompts]
+    alone = [greedy(model, _prefill(model, p[:-k])[0], None, n, {0}, feed=p[-k:], first=f)
+             for p, k, n, f in zip(prompts, tails, lengths, firsts_alone)]
+    if mode == "invariant":                     # the tail fed or prefilled with the rest: the same reply
+        assert alone == _decoded_alone(model, prompts, lengths)
+    b = Batcher(model, threading.RLock(), max_batch=8)
+    try:
+        out = [None] * len(prompts)
+        firsts = [[] for _ in prompts]
+        start = threading.Barrier(len(prompts))
+
+        def run(i):
+            serving(b)
+            c, _ = _prefill(model, prompts[i][:-tails[i]])
+            start.wait()
+            k = tails[i]
+            out[i] = greedy(model, c, None, lengths[i], {0}, feed=prompts[i][-k:] if k > 1 else prompts[i][-1],
+                            first=firsts[i])
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+        assert b.widest > 1 and b.rows > b.steps
+        assert [len(o) for o in out] == [len(a) for a in alone]
+        assert all(len(f) == 1 for f in firsts)             # the logits each first token came from
+        if mode == "invariant":
+            assert out == alone
+            assert all(torch.equal(f[0], a[0]) for f, a in zip(firsts, firsts_alone))
+        else:
+            assert sum(o == a for o, a in zip(out, alone)) >= len(prompts) - 1, (out, alone)
+            for f, a in zip(firsts, firsts_alone):
+                torch.testing.assert_close(f[0], a[0], rtol=1e-4, atol=1e-4)
+    finally:
+        b.close()
+
+
 def _run_threads(batcher, jobs):
     """jobs: [(cache, logits, max_new, on_token, pick)] decoded from one thread each -> replies."""
     out = [None] * len(jobs)
@@ -324,6 +376,55 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng, inv
         while app.state.worker.pending and time.time() < deadline:
             time.sleep(0.05)
         assert app.state.worker.pending == 0                         # the leaver's slot came back
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_asks_in_flight_decode_together_as_each_would_alone(tmp_path, tiny, rng, invariant):
+    """Several asks at once through a live server: each one's question joins the decode loop as
+    rows of a step (greedy's feed) beside the others' decoding; each answer is the one the same
+    ask gets alone in-process (in invariant mode every one, no near-tie allowed to flip), and its
+    stats still time the question's prefill into its TTFT."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import copy
+
+    import kvmemory
+    from kvmemory.server import create_app
+    from tests.test_server import _start, words
+
+    model = (copy.deepcopy(tiny[0]), tiny[1]) if invariant else tiny
+    mem = kvmemory.Memory(tmp_path / "a.kvm", model=model, invariant=invariant)
+    for d in range(3):
+        mem.add(words(rng, 700, f"doc{d}"), doc_id=f"d{d}")
+    qs = [dict(question=words(rng, rng.randrange(3, 12), f"q{i}") + "?", max_new_tokens=rng.randrange(4, 16),
+               min_relevance=0.0, rerank=0 if i % 2 else 4) for i in range(6)]
+    alone = [mem.ask(q["question"], **{k: v for k, v in q.items() if k != "question"}).text for q in qs]
+    app = create_app(mem, queue_size=16, batch=4)
+    srv, t, url = _start(app)
+    try:
+        out = [None] * len(qs)
+        start = threading.Barrier(len(qs))
+
+        def run(i):
+            start.wait()
+            r = httpx.post(url + "/v1/ask", json=qs[i], timeout=300)
+            r.raise_for_status()
+            out[i] = r.json()
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(qs))]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(timeout=300)
+        assert app.state.worker.batcher.widest > 1                  # they did decode together
+        same = sum(o["answer"] == a for o, a in zip(out, alone))
+        assert same >= len(qs) - (0 if invariant else 1), [(o["answer"], a) for o, a in zip(out, alone)]
+        for o in out:
+            tm = o["stats"]["timings_s"]
+            assert 0 < tm["first_token"] <= tm["ttft"] and tm["decode"] >= 0
     finally:
         srv.should_exit = True
         t.join(timeout=10)
