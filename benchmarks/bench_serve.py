@@ -233,6 +233,15 @@ def start_llama(python: str, gguf: str, threads: int):
     raise RuntimeError("llama_cpp.server did not start")
 
 
+def peer_system_info(python: str) -> str:
+    """The CPU features the peer's llama.cpp was built with (a native build segfaulted on its first
+    evaluation on an AMX Xeon VM; one built with AVX-512 and without AMX ran)."""
+    import subprocess
+    p = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                       capture_output=True, text=True, timeout=120)
+    return p.stdout.strip() if p.returncode == 0 else f"unknown (exit {p.returncode})"
+
+
 def peer_run(args, rng_seed: int, convo: list) -> dict:
     """The same chat-only load and the 4K conversation against llama-cpp-python's server."""
     import importlib.util
@@ -263,6 +272,7 @@ def peer_run(args, rng_seed: int, convo: list) -> dict:
         print(f"  llama.cpp, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
               f"status {r['status']}", file=sys.stderr)
     return {"server": "llama-cpp-python 0.3.36 server (llama.cpp), the same GGUF at its own Q4_1 weights",
+            "system_info": peer_system_info(args.peer_python),
             "gguf": gguf, "threads": args.peer_threads, "rows": rows,
             "ttft": {"recomputed_s": first, "same_server_again_s": again, "after_restart_s": restarted}}
 
