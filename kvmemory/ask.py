@@ -38,13 +38,15 @@ class Answer:
     first_logits: torch.Tensor | None = field(default=None, repr=False)    # [vocab] of the first answer token
 
 
-def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """The window's KV [L, 2, H, context_tokens, D]: prelude, then every slot (re-rotated as needed)."""
+def build_window(mem, docs, window: WindowPlan, prelude_kv: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, object]:
+    """The window's KV [L, 2, H, context_tokens, D]: prelude, then every slot (re-rotated as needed).
+    room: that many more tokens allocated after them, left unwritten ([..., context_tokens + room, D])."""
     geo = mem.geometry
     rows = [s.candidate.row for s in window.slots]
-    pool, fetch = mem.pager.fetch(rows)                                   # [k, L, 2, H, C, D]
-    out = torch.empty((geo.layers, 2, geo.kv_heads, window.context_tokens, geo.head_dim), dtype=mem.kv_dtype,
-                      device=pool.device if rows else "cpu")
+    pool, fetch = mem.pager.fetch(rows, stacked=mem.pager.device.type == "cuda")   # [k, L, 2, H, C, D]
+    dev = mem.pager.device if rows else "cpu"
+    out = torch.empty((geo.layers, 2, geo.kv_heads, window.context_tokens + room, geo.head_dim), dtype=mem.kv_dtype,
+                      device=dev)
     out[:, :, :, :window.prelude_tokens] = prelude_kv.to(out.device)
     if rows:
         t = lambda xs: torch.tensor(xs, dtype=torch.long)              # noqa: E731

@@ -180,6 +180,7 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
              torch.ones(T, n + T, dtype=torch.bool, device=dev).tril(diagonal=n)[None, None]
              for n, T in zip(lens, sizes)]
     R = x.shape[1]
+    rooms = [_room(c, n, T) for c, n, T in zip(caches, lens, sizes)]
     for i, layer in enumerate(inner.layers):
         a = layer.self_attn
         h = layer.input_layernorm(x)
@@ -191,7 +192,10 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
         outs = []
         for b, c in enumerate(caches):
             sl = slice(offs[b], offs[b] + sizes[b])
-            kb, vb = c.update(k[:, :, sl].contiguous(), v[:, :, sl].contiguous(), i)
+            if rooms[b] is not None:                                        # written in place, no copy
+                kb, vb = _put(c.layers[i], rooms[b][i], lens[b], k[:, :, sl], v[:, :, sl])
+            else:
+                kb, vb = c.update(k[:, :, sl].contiguous(), v[:, :, sl].contiguous(), i)
             if impl == "sdpa":          # the heads shared in the kernel: no copy of the keys per query head
                 o = F.scaled_dot_product_attention(q[:, :, sl], kb, vb, attn_mask=masks[b], scale=a.scaling,
                                                    enable_gqa=True).transpose(1, 2)
@@ -229,12 +233,21 @@ def reserve(cache, extra: int) -> None:
     cache._kvmemory_room = room
 
 
-def _room(cache, n: int):
+def room_of(cache, buf: torch.Tensor) -> None:
+    """Mark buf [L, 2, H, T + extra, D] (whose first T tokens the cache's layers view, as
+    kv.make_cache(buf[:, :, :, :T], copy=False) makes them) as the cache's reserved room (what
+    `reserve` allocates): a batched step or forward_many writes the next tokens' KV in place
+    instead of concatenating the whole window again (the re-rank's windows are built so)."""
+    if len(cache.layers) == buf.shape[0]:
+        cache._kvmemory_room = [(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0)) for i in range(buf.shape[0])]
+
+
+def _room(cache, n: int, need: int = 1):
     """The cache's reserved buffers if every layer still is a view of them holding n tokens with
-    room for one more (a forward of the model's own replaces the views with new tensors: then
+    room for `need` more (a forward of the model's own replaces the views with new tensors: then
     the buffers take the layers' KV again, once), else None (the cache appends as always)."""
     room = getattr(cache, "_kvmemory_room", None)
-    if room is None or len(room) != len(cache.layers) or room[0][0].shape[-2] < n + 1:
+    if room is None or len(room) != len(cache.layers) or room[0][0].shape[-2] < n + need:
         return None
     for layer, (kb, vb) in zip(cache.layers, room):
         if layer.keys.shape[-2] != n:
@@ -247,11 +260,12 @@ def _room(cache, n: int):
 
 
 def _put(layer, buffers, n: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token n's k, v [1, H, 1, D] written into the layer's reserved buffers; -> its keys, values."""
+    """Tokens n.. k, v [1, H, T, D] written into the layer's reserved buffers; -> its keys, values."""
     kb, vb = buffers
-    kb[..., n:n + 1, :] = k
-    vb[..., n:n + 1, :] = v
-    layer.keys, layer.values = kb[..., :n + 1, :], vb[..., :n + 1, :]
+    T = k.shape[-2]
+    kb[..., n:n + T, :] = k
+    vb[..., n:n + T, :] = v
+    layer.keys, layer.values = kb[..., :n + T, :], vb[..., :n + T, :]
     return layer.keys, layer.values
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvmemory import kv as kvops
-from kvmemory.batching import Batcher, forward_many, llama_like, reserve, serving, step
+from kvmemory.batching import Batcher, forward_many, llama_like, reserve, room_of, serving, step
 from kvmemory.decode import greedy, sampler
 
 
@@ -85,6 +85,26 @@ def test_forward_many_is_each_sequence_prefilled_alone(tiny, rng, mode):
         else:
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(kb, ka, rtol=1e-4, atol=1e-4)
+    # windows with room for the new tokens (as the re-rank builds them): written in place, the
+    # same logits and KV as through the concatenating caches
+    roomy = []
+    for p in prompts:
+        c, _ = _prefill(model, p)
+        kv = torch.stack([torch.stack([l.keys[0], l.values[0]]) for l in c.layers])    # [L, 2, H, T, D]
+        buf = kv.new_empty((*kv.shape[:3], kv.shape[3] + 16, kv.shape[4]))
+        buf[:, :, :, :kv.shape[3]] = kv
+        rc = kvops.make_cache(buf[:, :, :, :kv.shape[3]], model.config, copy=False)
+        room_of(rc, buf)
+        roomy.append((rc, buf))
+    out2 = forward_many(model, [rc for rc, _ in roomy], news, keep)
+    for (rc, buf), a, b, t, p in zip(roomy, out, out2, news, prompts):
+        n = len(p) + len(t)
+        assert rc.layers[0].keys.data_ptr() == buf.data_ptr()          # still views of the buffer
+        assert rc.get_seq_length() == n
+        if mode == "invariant":
+            assert torch.equal(b, a)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     c, _ = _prefill(model, prompts[0])
     assert torch.equal(forward_many(model, [c], [news[0]], [keep[0]])[0], alone[0])
     for bad in (([], [1]), ([[1, 2]], [3]), ([[1]], [0])):

@@ -61,6 +61,10 @@ def test_pager_cache_holds_its_own_bytes_not_the_batch(store_path, tiny, rng):
         assert len(live) == rows >= 3
         pool, st = mem.pager.fetch(live)
         assert st.from_disk == len(live)
+        blocks, st2 = mem.pager.fetch(live, stacked=False)        # the same blocks, not copied into one
+        assert st2.from_host == len(live) and len(blocks) == len(live)
+        assert all(torch.equal(b, pool[i]) and b.data_ptr() == mem.pager.host.get(r).data_ptr()
+                   for i, (b, r) in enumerate(zip(blocks, live)))
         for r in live:
             v = mem.pager.host.get(r)
             assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), "a cached block pins the batch"

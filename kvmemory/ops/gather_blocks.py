@@ -20,6 +20,14 @@ from kvmemory.rope import rotate, shift_cos_sin
 
 
 def _check(pool, idx, n, dst, shift, out, freqs) -> None:
+    if isinstance(pool, (list, tuple)):               # the blocks one by one: each [L, 2, H, C, D]
+        if any(b.dim() != 5 or b.shape != pool[0].shape for b in pool):
+            raise ValueError("pool: a list of blocks of one shape [L, 2, H, C, D]")
+        if pool:
+            _check(pool[0].unsqueeze(0), idx, n, dst, shift, out, freqs)
+        elif len(idx):
+            raise ValueError("an empty pool has no block to gather")
+        return
     if pool.dim() != 6 or out.dim() != 5 or pool.shape[1:4] != out.shape[0:3] or pool.shape[5] != out.shape[4]:
         raise ValueError(f"pool {tuple(pool.shape)} [P, L, 2, H, C, D] and out {tuple(out.shape)} [L, 2, H, T, D] "
                          "do not match")
@@ -32,12 +40,13 @@ def _check(pool, idx, n, dst, shift, out, freqs) -> None:
 
 
 def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
-    """Pure-torch reference (and CPU path) of gather_blocks; see the module docstring."""
+    """Pure-torch reference (and CPU path) of gather_blocks; see the module docstring. pool may
+    also be a list of blocks [L, 2, H, C, D] (the pager's, unstacked: no copy of them all first)."""
     _check(pool, idx, n, dst, shift, out, freqs)
     cos, sin = shift_cos_sin(shift.cpu(), freqs.cpu())               # [k, D/2]
     for i in range(len(idx)):
         b, k, d, s = int(idx[i]), int(n[i]), int(dst[i]), int(shift[i])
-        block = pool[b, :, :, :, :k]                                  # [L, 2, H, k, D]
+        block = pool[b][:, :, :, :k]                                  # [L, 2, H, k, D]
         out[:, 1, :, d:d + k] = block[:, 1]
         if s == 0:
             out[:, 0, :, d:d + k] = block[:, 0]                       # exact: no arithmetic
@@ -48,7 +57,7 @@ def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
 
 def gather_blocks(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
     """Dispatch: the CUDA kernel for CUDA tensors when it is built, otherwise the reference."""
-    if out.is_cuda:
+    if out.is_cuda and not isinstance(pool, (list, tuple)):
         from kvmemory.ops import cuda_ext
 
         kernel = cuda_ext.load()

@@ -49,7 +49,9 @@ class Pager:
         if self.gpu is not None:
             self.gpu.discard(rows)
 
-    def fetch(self, rows: list[int]) -> tuple[torch.Tensor, FetchStats]:
+    def fetch(self, rows: list[int], stacked: bool = True) -> tuple[torch.Tensor | list[torch.Tensor], FetchStats]:
+        """The blocks of `rows` [k, L, 2, H, C, D], verified, through the tiers; stacked=False: a
+        list of the k blocks as the tiers hold them (no copy of them all into one tensor)."""
         st = FetchStats(blocks=len(rows))
         got: dict[int, torch.Tensor] = {}
         if self.gpu is not None:
@@ -91,7 +93,7 @@ class Pager:
                 v = v.to(self.device, non_blocking=True)
                 self.gpu.put(r, v, v.numel() * v.element_size())
             got[r] = v
-        pool = torch.stack([got[r] for r in rows]) if rows else torch.empty(0)
+        pool = (torch.stack([got[r] for r in rows]) if rows else torch.empty(0)) if stacked else [got[r] for r in rows]
         st.tiers = {t.name: vars(t.stats) | {"hit_rate": t.stats.hit_rate, "used_bytes": t.used_bytes}
                     for t in (self.host, self.gpu) if t is not None}
         if self.store.cache is not None:

@@ -73,6 +73,20 @@ def test_rotation_matches_rope_applied_at_the_new_position():
         torch.testing.assert_close(out[:, 0], at_ps, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("L,H,C,D,P,k", GRID)
+def test_a_list_of_blocks_gathers_the_bytes_of_the_stacked_pool(L, H, C, D, P, k):
+    """The pager's blocks unstacked (a list, no copy of them all first): the same output, byte
+    for byte, as the stacked pool; a list of mismatched blocks is refused."""
+    gen = torch.Generator().manual_seed(P * 100 + k)
+    pool, idx, n, dst, shift, out, freqs = case(gen, L, H, C, D, P, k, torch.float32, 7000)
+    want = gather_blocks_ref(pool, idx, n, dst, shift, out.clone(), freqs)
+    got = gather_blocks(list(pool.unbind(0)), idx, n, dst, shift, out.clone(), freqs)
+    assert torch.equal(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(want, nan=-1.0))
+    with pytest.raises(ValueError, match="one shape"):
+        gather_blocks_ref([pool[0], pool[1, :, :, :, :-1]], idx[:1] * 0, n[:1].clamp(max=C - 1), dst[:1],
+                          shift[:1], out.clone(), freqs)
+
+
 def test_bad_shapes_are_rejected():
     pool = torch.zeros((2, 1, 2, 1, 4, 8))
     out = torch.zeros((1, 2, 1, 4, 8))
