@@ -171,7 +171,11 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         from kvmemory.ops import use_window_attention
         use_window_attention(mem.model)
     t = time.perf_counter()
-    ctx_kv, fetch = build_window(mem, docs, window, docs.prelude_kv())
+    # on CPU, the plain path's window is built with room for the question and the answer: its
+    # cache views it (no copy), and a batched step writes their KV in place (batching.room_of)
+    room = len(q_ids) + max_new_tokens if device.type == "cpu" and recompute == 0 and not seams else 0
+    ctx_buf, fetch = build_window(mem, docs, window, docs.prelude_kv(), room=room)
+    ctx_kv = ctx_buf[:, :, :, :window.context_tokens]
     graft_s = time.perf_counter() - t
     # ---- answer
     t = time.perf_counter()
@@ -185,7 +189,9 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
         recomputed = bs.recomputed
         cache = kvops.make_cache(kv, mem.model.config)
     else:
-        cache = kvops.make_cache(ctx_kv, mem.model.config)
+        cache = kvops.make_cache(ctx_kv, mem.model.config, copy=not room)
+        if room:
+            batching.room_of(cache, ctx_buf)
         batcher = batching.current()
         if batcher is not None and batcher.model is mem.model:
             # served with others: the question's tokens are this sequence's rows of the decode

@@ -220,6 +220,8 @@ def reserve(cache, extra: int) -> None:
     if extra < 1 or not getattr(cache, "layers", None) or not all(
             getattr(layer, "keys", None) is not None and hasattr(layer, "values") for layer in cache.layers):
         return
+    if _room(cache, cache.layers[0].keys.shape[-2], extra) is not None:
+        return                                   # built with room enough (room_of): nothing to copy
     room = []
     for layer in cache.layers:
         k, v = layer.keys, layer.values

@@ -101,6 +101,8 @@ def test_forward_many_is_each_sequence_prefilled_alone(tiny, rng, mode):
         n = len(p) + len(t)
         assert rc.layers[0].keys.data_ptr() == buf.data_ptr()          # still views of the buffer
         assert rc.get_seq_length() == n
+        reserve(rc, 16 - len(t))                                      # room enough: nothing copied
+        assert rc.layers[-1].values.data_ptr() == buf[-1, 1].data_ptr()
         if mode == "invariant":
             assert torch.equal(b, a)
         else:
