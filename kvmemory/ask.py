@@ -203,19 +203,19 @@ def ask(mem, docs, question: str, top_k: int = TOP_K, selector: str = "text", ma
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
     stream = TextStream(mem.tokenizer, on_text=on_token, strip=True)
-    first: list[float] = []
+    first_at: list[float] = []
 
     def took(ids):                     # when the first token came (with a feed, its prefill ends there)
-        if not first:
-            first.append(time.perf_counter())
+        if not first_at:
+            first_at.append(time.perf_counter())
         return stream(ids)
-    firsts: list = []
-    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=took, feed=feed, first=firsts)
-    logits = firsts[0]
+    first_logits: list = []
+    new = greedy(mem.model, cache, logits, max_new_tokens, mem.eos_ids, on_token=took, feed=feed, first=first_logits)
+    logits = first_logits[0]
     text = stream.finish(new)
     decode_s = time.perf_counter() - t
     if feed is not None:
-        fed = (first[0] if first else time.perf_counter()) - t
+        fed = (first_at[0] if first_at else time.perf_counter()) - t
         first_token_s, ttft, decode_s = first_token_s + fed, ttft + fed, decode_s - fed
     exact = exact_tokens - window.prelude_tokens
     stats = {
