@@ -102,47 +102,11 @@ def llama_like(model) -> bool:
             and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
 
 
-@torch.inference_mode()
 def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
-    """One decode step: token i appended to caches[i] (each extended in place); -> the next logits
-    [vocab] of each. One sequence: the model's own forward."""
-    if len(caches) == 1 or not llama_like(model):
-        out = []
-        for c, t in zip(caches, tokens):
-            out.append(model(input_ids=ids_tensor([t], model), past_key_values=c, use_cache=True).logits[0, -1])
-        return out
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
-    inner, B = model.model, len(caches)
-    dev = model.device
-    ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=dev)
-    lens = [c.get_seq_length() for c in caches]
-    rooms = [_room(c, n) for c, n in zip(caches, lens)]
-    pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=dev)
-    x = inner.embed_tokens(ids)                                             # [B, 1, hidden]
-    cos, sin = inner.rotary_emb(x, pos)
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager_attention_forward)
-    for i, layer in enumerate(inner.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (B, 1, -1, a.head_dim)
-        q = a.q_proj(h).view(shape).transpose(1, 2)                         # [B, Hq, 1, D]
-        k = a.k_proj(h).view(shape).transpose(1, 2)
-        v = a.v_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        outs = []
-        for b, c in enumerate(caches):
-            if rooms[b] is not None:                                        # written in place, no copy
-                kb, vb = _put(c.layers[i], rooms[b][i], lens[b], k[b:b + 1], v[b:b + 1])
-            else:
-                kb, vb = c.update(k[b:b + 1], v[b:b + 1], i)
-            o, _ = attend(a, q[b:b + 1], kb, vb, None, dropout=0.0, scaling=a.scaling)
-            outs.append(o)                                                  # [1, 1, Hq, D]
-        o = torch.cat(outs).reshape(B, 1, -1).contiguous()
-        x = x + a.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = model.lm_head(inner.norm(x))                                   # [B, 1, vocab]
-    return [logits[b, -1] for b in range(B)]
+    """One decode step: token i appended to caches[i] (each extended in place, into its reserved
+    room where it has one); -> the next logits [vocab] of each. One sequence: the model's own
+    forward. A forward_many of one token per sequence."""
+    return [lg[-1] for lg in forward_many(model, caches, [[t] for t in tokens], [1] * len(tokens))]
 
 
 @torch.inference_mode()
@@ -355,13 +319,10 @@ class Batcher:
                 continue
             try:
                 with self.lock:
-                    toks = [s.next for s in active]
-                    if any(isinstance(t, list) for t in toks):     # a prompt's last tokens: rows of the pass
-                        out = [lg[-1] for lg in forward_many(self.model, [s.cache for s in active],
-                                                             [t if isinstance(t, list) else [t] for t in toks],
-                                                             [1] * len(toks))]
-                    else:
-                        out = step(self.model, [s.cache for s in active], toks)
+                    # a prompt's last tokens (a list) are that sequence's rows of the same pass
+                    out = [lg[-1] for lg in forward_many(self.model, [s.cache for s in active],
+                                                         [s.next if isinstance(s.next, list) else [s.next]
+                                                          for s in active], [1] * len(active))]
             except BaseException as e:    # noqa: BLE001 -- every sequence of the step learns it
                 for s in active:
                     s.error = e
