@@ -497,18 +497,25 @@ def test_a_deposit_gives_way_to_a_question_between_blocks(tmp_path, tiny, rng):
     mem.close()
 
 
-def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_path, tiny, rng):
-    """Under load the save of a session's conversation with its reply is deferred: folded into the
-    session's next turn (whose prompt holds the reply), or run once the server is idle, or at
-    shutdown. The replies are those of a server that saves every reply at once."""
+def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idle(tmp_path, tiny, rng):
+    """The save of a session's conversation with its reply waits until after the response: it is
+    folded into the session's next turn (whose prompt holds the reply), or runs once the server has
+    been idle a moment, or at shutdown; a next turn that does not extend it (a trimmed history)
+    drops it. The replies are those of a server that saves every reply before the next turn."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     import kvmemory
     from kvmemory.server import create_app
+    from kvmemory.server.chat import IDLE_GRACE_S
     from tests.test_server import _start, words
 
     system = {"role": "system", "content": words(rng, 80, "Be brief.")}
     asks = [words(rng, 12, f"turn{i}") for i in range(3)]
+
+    def settle(c, deadline=30):
+        end = time.time() + deadline
+        while c.later and time.time() < end:       # idle: the flusher saves it
+            time.sleep(0.05)
 
     def conversation(app, url, busy):
         c = app.state.ctx.chat
@@ -520,17 +527,50 @@ def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_pa
             r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
                 "model": "kvmemory", "messages": history, "temperature": 0, "max_tokens": 12,
                 "prompt_cache_key": "s1"}).json()
-            deferred.append(len(c.later))
+            # answered before its save: the flusher waits IDLE_GRACE_S after the request left
+            n = len(c.later)
+            deferred.append(n if busy or time.monotonic() - app.state.worker.released_at < IDLE_GRACE_S else None)
+            if not busy:
+                settle(c)
             replies.append(r["choices"][0]["message"]["content"])
             history.append({"role": "assistant", "content": replies[-1]})
         return replies, deferred, history, real
 
-    m1 = kvmemory.Memory(tmp_path / "eager.kvm", model=tiny)
+    m1 = kvmemory.Memory(tmp_path / "idle.kvm", model=tiny)
     app1 = create_app(m1)
     srv, t, url = _start(app1)
     try:
-        want, none_deferred, _, _ = conversation(app1, url, busy=False)
-        assert none_deferred == [0, 0, 0]
+        want, was_deferred, history, _ = conversation(app1, url, busy=False)
+        assert [d for d in was_deferred if d is not None] and all(d in (1, None) for d in was_deferred)
+        assert not app1.state.ctx.chat.later                      # each saved while idle, before the next turn
+        ids = app1.state.ctx.chat.ids(history)                    # the whole conversation with its last reply
+        assert max(s.n_tokens for s in m1.states()) >= len(ids) - 1
+        assert httpx.get(url + "/v1/sessions/s1").json()["turns"] == 3
+        # a next turn that trims the history: the first turn's save (deferred, busy) is dropped
+        c = app1.state.ctx.chat
+        c.pending = lambda: 2
+        first = [system, {"role": "user", "content": asks[0]}]
+        httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "kvmemory", "messages": first, "temperature": 0, "max_tokens": 12,
+            "prompt_cache_key": "s3"}).raise_for_status()
+        assert "s3" in c.later
+        before = {s.id for s in m1.states()}
+        trimmed = [system, {"role": "user", "content": asks[2]}]
+        httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "kvmemory", "messages": trimmed, "temperature": 0, "max_tokens": 12,
+            "prompt_cache_key": "s3"}).raise_for_status()
+        assert c.dropped == 1 and "s3" in c.later                 # the first's dropped; the second's waits
+        new = [s for s in m1.states() if s.id not in before]
+        assert [s.n_tokens for s in new] == [len(c.ids(trimmed)) - 1]    # only the trimmed turn's prompt
+        rec = httpx.get(url + "/v1/sessions/s3").json()
+        assert rec["turns"] == 2 and set(rec["states"]) == {s.id for s in new} | (
+            {s.id for s in m1.states() if s.n_tokens == len(c.ids(first)) - 1})   # recorded when answered
+        c.pending = lambda: 0
+        settle(c)
+        rec = httpx.get(url + "/v1/sessions/s3").json()
+        last = [s for s in m1.states() if s.id == rec["states"][-1]]
+        assert not c.later and rec["turns"] == 2 and len(rec["states"]) == 3    # the second's save added
+        assert last and last[0].n_tokens > len(c.ids(trimmed))
     finally:
         srv.should_exit = True
         t.join(timeout=10)
@@ -541,10 +581,11 @@ def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_pa
     srv, t, url = _start(app2)
     try:
         got, deferred, history, real = conversation(app2, url, busy=True)
-        assert got == want                                        # the same replies
+        assert got == want                                        # the same replies, each save folded
         assert deferred == [1, 1, 1]                              # each turn's save waits (one a session)
         rec = httpx.get(url + "/v1/sessions/s1").json()
-        assert rec["turns"] == 2                                  # two folded into their next turn
+        assert rec["turns"] == 3                                  # recorded when answered; two saves folded
+        assert len(rec["states"]) == 3                            # the prompts' states, no reply's yet
         ids = app2.state.ctx.chat.ids(history[:-1])
         assert max(s.n_tokens for s in m2.states()) < len(ids)    # the last reply is not saved yet
         app2.state.ctx.chat.pending = real                        # the server is idle again
@@ -552,7 +593,8 @@ def test_a_busy_server_saves_a_reply_once_with_the_next_turn_or_when_idle(tmp_pa
         while app2.state.ctx.chat.later and time.time() < deadline:   # idle: the flusher saves it
             time.sleep(0.05)
         assert not app2.state.ctx.chat.later
-        assert httpx.get(url + "/v1/sessions/s1").json()["turns"] == 3
+        rec = httpx.get(url + "/v1/sessions/s1").json()
+        assert rec["turns"] == 3 and len(rec["states"]) == 4       # the last reply's state added
         assert max(s.n_tokens for s in m2.states()) >= len(ids)   # the last reply's conversation is stored
         # deferred at shutdown: saved before the server stops
         history.append({"role": "user", "content": words(rng, 12, "last")})

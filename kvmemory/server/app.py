@@ -54,6 +54,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 sessions=sessions, max_body_bytes=max_body_bytes,
                 ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
     c.chat.pending = lambda: c.worker.pending
+    c.chat.released = lambda: c.worker.released_at
     stop = threading.Event()
 
     @asynccontextmanager
@@ -62,7 +63,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
             mem.defer_to(lambda: c.worker.pending > 0)      # a deposit gives way to requests between blocks
             c.jobs.run(mem, stop)
 
-        def saves():                                         # replies' saves deferred under load, when idle
+        def saves():                                         # replies' saves, deferred: when idle
             while not stop.wait(0.05):
                 c.chat.flush()
         t = threading.Thread(target=deposits, name="kvmemory-deposits", daemon=True)

@@ -5,15 +5,16 @@ with a user, the user's) and the most relevant come back grafted as KV (server/m
 
 Persistence: the prompt of every request is saved as a state (its blocks content-addressed), so a
 request whose messages extend a stored conversation restores the longest stored prefix exactly
-and prefills only the rest (usage.prompt_tokens_details.cached_tokens); after each reply the
-conversation including the reply is saved too, computed the canonical (block-chunked) way, so the
-next turn restores it. Greedy replies are therefore identical whether a prefix was restored or
-recomputed."""
+and prefills only the rest (usage.prompt_tokens_details.cached_tokens); the conversation including
+the reply is saved too, computed the canonical (block-chunked) way, so the next turn restores it:
+after the response, once the server is idle, or within the session's next turn (ChatService).
+Greedy replies are therefore identical whether a prefix was restored or recomputed."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,17 +67,27 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
                       bool(req.stream_options and req.stream_options.include_usage), session, user)
 
 
+IDLE_GRACE_S = 0.5        # a deferred save runs after the server has been idle this long
+
+
 class ChatService:
-    """pending() -> how many requests the server has admitted (set by the app): while others wait,
-    the save of a plain session's conversation with its reply is deferred (`later`): it runs when
-    the server is idle (`flush`), or is folded into the session's next turn, whose prompt holds the
-    reply and is saved anyway, so a busy server computes it once instead of twice."""
+    """pending() -> how many requests the server has admitted (set by the app). The save of a plain
+    session's conversation with its reply is deferred (`later`), so the response does not wait for
+    it: it runs once the server has been idle for IDLE_GRACE_S (`flush`; a person reading the
+    reply gives it that time), or is folded into the session's next turn when that turn's prompt
+    holds the reply (its prompt is saved anyway: computed once instead of twice), or is dropped
+    when the session's next turn does not extend it (a client that trimmed or edited its history:
+    no turn of the session continues that conversation any more, and its prompt was saved). At
+    shutdown every deferred save runs."""
 
     def __init__(self, mem, sessions: Sessions) -> None:
         self.mem = mem
         self.sessions = sessions
         self.pending = lambda: 0
         self.later: dict[str, tuple] = {}          # session record -> (p, w, new): the reply's save, deferred
+        self.busy_at = time.monotonic()            # when a chat request last finished its model work
+        self.released = lambda: 0.0                # when any request last left the server (set by the app)
+        self.dropped = 0                           # deferred saves a session's next turn made moot
 
     def ids(self, messages: list[dict]) -> list[int]:
         return prompts.chat_ids(self.mem.tokenizer, messages)
@@ -145,17 +156,20 @@ class ChatService:
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
-            if not cancelled and p.session and p.user is None and w.label is None and self.pending() > 1:
-                self.later[session_record(p)] = (p, w, new)          # others wait: save when idle
+            if not cancelled and p.session and p.user is None and w.label is None:
+                # the turn recorded now; its save when idle, with the next turn, or not at all (_fold)
+                self._finish(p, w, new, text, save=False)
+                self.later[session_record(p)] = (p, replace(w, cache=None, logits=None), new)
             elif not cancelled:
                 self._finish(p, w, new, text)
+            self.busy_at = time.monotonic()
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
                 "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory}
 
     def _finish(self, p: ChatParams, w: Prepared, new: list[int], text: str | None, save: bool = True) -> None:
         """After a reply: the conversation with it saved, computed canonically (without what was
         recalled), so the next turn restores it; the exchange remembered (with a user); the session's
-        record. save=False: the next turn's prompt holds the reply and was saved instead."""
+        record. save=False: the turn recorded without that save (deferred: `_saved` adds it)."""
         mem = self.mem
         with mem.exclusive(), torch.inference_mode():
             state = mem.save(w.ids + new, label=w.label or "kvmemory:chat", owner=w.owner) \
@@ -167,31 +181,50 @@ class ChatService:
                                  state.n_tokens if state is not None else len(w.ids) + len(new), w.recalled,
                                  user=p.user)
 
+    def _saved(self, key: str, job: tuple) -> None:
+        """A deferred save run (under the Memory's lock, so a session being forgotten sees its state)
+        and added to the turn's record."""
+        p, w, new = job
+        state = self.mem.save(w.ids + new, label="kvmemory:chat")
+        self.sessions.add_state(key, state.id)
+
     def _fold(self, key: str, ids: list[int] | None) -> None:
-        """A session's deferred save before its next turn: skipped where this turn's prompt (ids)
-        extends the conversation with the reply (this turn saves it), run now otherwise."""
+        """A session's deferred save before its next turn (ids: that turn's prompt), which makes it
+        moot either way: where the prompt extends the conversation with the reply, this turn saves
+        it; where it does not (the client trimmed or edited its history), no turn of the session
+        continues that conversation. The session's record is kept in both cases. A turn whose
+        prompt is not known here (ids None: a user's memory window) runs the save now."""
         job = self.later.pop(key, None)
         if job is not None:
             p, w, new = job
             done = w.ids + new
-            self._finish(p, w, new, None, save=not (ids is not None and ids[:len(done)] == done and len(ids) > len(done)))
+            extends = ids is not None and ids[:len(done)] == done and len(ids) > len(done)
+            if ids is None:
+                with self.mem.exclusive(), torch.inference_mode():
+                    self._saved(key, job)
+            elif not extends:
+                self.dropped += 1
 
     def take(self, key: str):
         """A session's deferred save, removed (its session is being forgotten), or None (dict.pop is
         atomic: no lock, so the event loop never waits for the model)."""
         return self.later.pop(key, None)
 
+    def idle(self) -> bool:
+        """Nothing admitted, and nothing finished for IDLE_GRACE_S: a deferred save may run."""
+        return self.pending() == 0 and time.monotonic() - max(self.busy_at, self.released()) >= IDLE_GRACE_S
+
     def flush(self, all_: bool = False) -> int:
-        """Run the deferred saves while nothing else waits (all_: every one, as at shutdown). Returns
+        """Run the deferred saves while the server is idle (all_: every one, as at shutdown). Returns
         how many ran."""
         n = 0
-        while self.later and (all_ or self.pending() == 0):
+        while self.later and (all_ or self.idle()):
             with self.mem.exclusive():
                 if not self.later:
                     break
                 key = next(iter(self.later))
-                p, w, new = self.later[key]
-                self._finish(p, w, new, None)
+                with torch.inference_mode():
+                    self._saved(key, self.later[key])
                 self.later.pop(key, None)         # last: while it is listed, its save is not done
             n += 1
         return n

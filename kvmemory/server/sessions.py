@@ -42,6 +42,17 @@ class Sessions:
             s["updated"] = time.time()
             self.file.save(self.data)
 
+    def add_state(self, sid: str, state_id: str) -> None:
+        """A state a turn saved after it was recorded (a reply's deferred save); nothing for a session
+        forgotten meanwhile."""
+        with self.file.lock:
+            s = self.data.get(sid)
+            if s is None or state_id in s["states"]:
+                return
+            s["states"].append(state_id)
+            s["updated"] = time.time()
+            self.file.save(self.data)
+
     def of_user(self, user: str) -> dict[str, dict]:
         """The records of a user's sessions, by record key."""
         key = user_key(user)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvmemory.server.errors import ApiError
@@ -29,6 +30,7 @@ class Worker:
                                        thread_name_prefix="kvmemory-model", initializer=init)
         self.queue_size = queue_size
         self.pending = 0
+        self.released_at = time.monotonic()     # when a request last left (the chat's deferred saves wait for quiet)
         self.lock = threading.Lock()
 
     def admit(self) -> None:
@@ -46,6 +48,7 @@ class Worker:
     def release(self) -> None:
         with self.lock:
             self.pending -= 1
+            self.released_at = time.monotonic()
 
     async def run(self, fn, *args):
         """Admit, run fn(*args) on the worker thread, release. Raises ApiError 429 when full."""

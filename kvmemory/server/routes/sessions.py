@@ -23,15 +23,17 @@ async def get_session(session_id: str, c: Context = Depends(ctx)):
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
 async def delete_session(session_id: str, c: Context = Depends(ctx)):
     check_id(session_id, "session_id")
-    job = c.chat.take(session_id)          # a turn whose save was deferred (busy server): never saved now
-    s = c.sessions.data.get(session_id)
-    if s is None and job is None:
+    job = c.chat.take(session_id)          # a turn whose save was deferred: never saved now
+    if c.sessions.data.get(session_id) is None and job is None:
         raise not_found("session", session_id, "session_id")
-    states = (s["states"] if s is not None else []) + (list(job[1].states) if job is not None else [])
     prefix, mem = session_prefix(session_id), c.mem
+    states: list[str] = []
 
     def forget():
-        mem.forget_states(states)
+        with mem.exclusive():      # a deferred save that was running has added its state by now
+            s = c.sessions.data.get(session_id)
+            states.extend((s["states"] if s is not None else []) + (list(job[1].states) if job is not None else []))
+            mem.forget_states(states)
         # stores written before session memory kept a session's older turns as shared documents
         gone = [d for d in mem.require_store().manifest.docs if d.startswith(prefix)]
         for d in gone:
