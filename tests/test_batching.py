@@ -549,7 +549,7 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
         # a next turn that trims the history: the first turn's save (deferred, busy) is dropped
         c = app1.state.ctx.chat
         c.pending = lambda: 2
-        first = [system, {"role": "user", "content": asks[0]}]
+        first = [system, {"role": "user", "content": words(rng, 12, "another")}]   # no state of it yet
         httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": "kvmemory", "messages": first, "temperature": 0, "max_tokens": 12,
             "prompt_cache_key": "s3"}).raise_for_status()
@@ -561,16 +561,19 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
             "prompt_cache_key": "s3"}).raise_for_status()
         assert c.dropped == 1 and "s3" in c.later                 # the first's dropped; the second's waits
         new = [s for s in m1.states() if s.id not in before]
-        assert [s.n_tokens for s in new] == [len(c.ids(trimmed)) - 1]    # only the trimmed turn's prompt
+        k = c.saved_part(len(c.ids(trimmed)))
+        assert [s.n_tokens for s in new] == ([k] if k else [])   # only the trimmed turn's prompt
         rec = httpx.get(url + "/v1/sessions/s3").json()
-        assert rec["turns"] == 2 and set(rec["states"]) == {s.id for s in new} | (
-            {s.id for s in m1.states() if s.n_tokens == len(c.ids(first)) - 1})   # recorded when answered
+        assert rec["turns"] == 2                                  # both recorded when answered
+        assert len(rec["states"]) == bool(k) + bool(c.saved_part(len(c.ids(first))))
         c.pending = lambda: 0
         settle(c)
-        rec = httpx.get(url + "/v1/sessions/s3").json()
-        last = [s for s in m1.states() if s.id == rec["states"][-1]]
-        assert not c.later and rec["turns"] == 2 and len(rec["states"]) == 3    # the second's save added
-        assert last and last[0].n_tokens > len(c.ids(trimmed))
+        after = httpx.get(url + "/v1/sessions/s3").json()
+        last = [s for s in m1.states() if s.id == after["states"][-1]]
+        n = len(c.ids(trimmed))                                   # the second's saves added: its whole
+        assert not c.later and after["turns"] == 2 and len(after["states"]) == len(rec["states"]) + 1 + (
+            c.saved_part(n) < n - 1)                              # prompt (if not yet), then with its reply
+        assert last and last[0].n_tokens > n
     finally:
         srv.should_exit = True
         t.join(timeout=10)
@@ -585,16 +588,20 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
         assert deferred == [1, 1, 1]                              # each turn's save waits (one a session)
         rec = httpx.get(url + "/v1/sessions/s1").json()
         assert rec["turns"] == 3                                  # recorded when answered; two saves folded
-        assert len(rec["states"]) == 3                            # the prompts' states, no reply's yet
+        prompts = {app2.state.ctx.chat.saved_part(len(app2.state.ctx.chat.ids(history[:j])))
+                   for j in (2, 4, 6)} - {0}
+        assert len(rec["states"]) == len(prompts)                 # the prompts' states, no reply's yet
         ids = app2.state.ctx.chat.ids(history[:-1])
-        assert max(s.n_tokens for s in m2.states()) < len(ids)    # the last reply is not saved yet
+        assert max((s.n_tokens for s in m2.states()), default=0) < len(ids)    # the last reply is not saved yet
         app2.state.ctx.chat.pending = real                        # the server is idle again
         deadline = time.time() + 30
         while app2.state.ctx.chat.later and time.time() < deadline:   # idle: the flusher saves it
             time.sleep(0.05)
         assert not app2.state.ctx.chat.later
         rec = httpx.get(url + "/v1/sessions/s1").json()
-        assert rec["turns"] == 3 and len(rec["states"]) == 4       # the last reply's state added
+        n = len(app2.state.ctx.chat.ids(history[:-1]))
+        assert rec["turns"] == 3 and len(rec["states"]) == len(prompts) + 1 + (   # the last turn's saves added
+            app2.state.ctx.chat.saved_part(n) < n - 1)
         assert max(s.n_tokens for s in m2.states()) >= len(ids)   # the last reply's conversation is stored
         # deferred at shutdown: saved before the server stops
         history.append({"role": "user", "content": words(rng, 12, "last")})
@@ -610,7 +617,9 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
             "prompt_cache_key": "s2"})
         assert "s2" in app2.state.ctx.chat.later
         d = httpx.delete(url + "/v1/sessions/s2").json()
-        assert d["deleted"] is True and d["states"] >= 1
+        c2 = app2.state.ctx.chat
+        assert d["deleted"] is True and d["states"] == bool(c2.saved_part(len(c2.ids(
+            [system, {"role": "user", "content": "hello"}]))))
         assert "s2" not in app2.state.ctx.chat.later
         assert httpx.get(url + "/v1/sessions/s2").status_code == 404
     finally:
@@ -620,6 +629,74 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
     assert max(s.n_tokens for s in m2.states()) > len(final)      # prompt + reply
     assert r["usage"]["completion_tokens"] > 0
     m2.close()
+
+
+def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch(tmp_path, tiny, rng, monkeypatch):
+    """A chat request saves its prompt up to its last whole forward of the store's prefill (the part
+    a later turn restores) and decodes the rest as rows of the batched steps; every block stored,
+    before and after the deferred saves, is the canonical computation's (verify recompute); a
+    resend after the server was idle restores the whole prompt; deferred saves of requests without
+    a session are bounded."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import kvmemory
+    from kvmemory.config import StoreConfig
+    from kvmemory.server import chat as chat_mod, create_app
+    from tests.test_server import _start, words
+
+    C, Q = 64, 16
+    mem = kvmemory.Memory(tmp_path / "q.kvm", model=tiny, store_config=StoreConfig(block_tokens=C, prefill_tokens=Q))
+    app = create_app(mem, batch=8)
+    srv, t, url = _start(app)
+    c = app.state.ctx.chat
+    real = c.pending
+    convs = [[{"role": "system", "content": words(rng, rng.randrange(20, 90), "Be brief.")},
+              {"role": "user", "content": words(rng, rng.randrange(3, 30), f"q{i}")}] for i in range(6)]
+    try:
+        c.pending = lambda: 2                                   # busy: nothing deferred runs yet
+        out = [None] * len(convs)
+
+        def send(i):
+            out[i] = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "kvmemory", "messages": convs[i], "temperature": 0, "max_tokens": 6,
+                "prompt_cache_key": f"c{i}"}).json()
+        ts = [threading.Thread(target=send, args=(i,)) for i in range(len(convs))]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        assert all(o["usage"]["completion_tokens"] > 0 for o in out)
+        sizes = [len(c.ids(m)) for m in convs]
+        cuts = {c.saved_part(n) for n in sizes} - {0}
+        assert all(0 <= n - 1 - c.saved_part(n) < Q for n in sizes)
+        assert {st.n_tokens for st in mem.states()} == cuts          # only whole forwards saved so far
+        assert any(n - 1 - c.saved_part(n) >= 2 for n in sizes)      # some fed several rows to the batch
+        assert len(c.later) == len(convs)
+        assert mem.verify(recompute=True) == []
+        c.pending = real
+        end = time.time() + 60
+        while c.later and time.time() < end:
+            time.sleep(0.05)
+        assert not c.later
+        got = {st.n_tokens for st in mem.states()}
+        assert {n - 1 for n in sizes} <= got                          # each whole prompt, saved when idle
+        assert mem.verify(recompute=True) == []                       # canonical, every block
+        again = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "kvmemory", "messages": convs[0], "temperature": 0, "max_tokens": 6}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == sizes[0] - 1
+        # requests without a session: their deferred saves are bounded, the oldest dropped
+        monkeypatch.setattr(chat_mod, "MAX_DEFERRED", 2)
+        c.pending = lambda: 2
+        for i in range(4):
+            httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "kvmemory", "messages": [{"role": "user", "content": words(rng, 5, f"n{i}")}],
+                "max_tokens": 2}).raise_for_status()
+        assert len(c.later) == 2 and c.dropped >= 3                # the resend's, then two of these four
+    finally:
+        c.pending = real
+        srv.should_exit = True
+        t.join(timeout=10)
+    mem.close()
 
 
 def test_the_real_model_decodes_the_same_greedy_replies_batched(real_model, rng):

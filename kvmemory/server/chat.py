@@ -3,9 +3,10 @@ stored prefix, decode, and save the conversation with its reply. A conversation 
 window keeps its system message and latest turns; its older turns go to the session's memory (or,
 with a user, the user's) and the most relevant come back grafted as KV (server/memory_chat.py).
 
-Persistence: the prompt of every request is saved as a state (its blocks content-addressed), so a
-request whose messages extend a stored conversation restores the longest stored prefix exactly
-and prefills only the rest (usage.prompt_tokens_details.cached_tokens); the conversation including
+Persistence: the prompt of every request is saved as a state (its blocks content-addressed; up to
+its last whole forward of the store's canonical prefill, ChatService.saved_part), so a request
+whose messages extend a stored conversation restores the longest stored prefix exactly and
+prefills only the rest (usage.prompt_tokens_details.cached_tokens); the conversation including
 the reply is saved too, computed the canonical (block-chunked) way, so the next turn restores it:
 after the response, once the server is idle, or within the session's next turn (ChatService).
 Greedy replies are therefore identical whether a prefix was restored or recomputed."""
@@ -68,17 +69,20 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
 
 
 IDLE_GRACE_S = 0.5        # a deferred save runs after the server has been idle this long
+MAX_DEFERRED = 256        # deferred saves listed at most (one a session; those of requests without one dropped past it)
+ANON = "\x00request:"     # the key of a request without a session in `later` (no session id starts so)
 
 
 class ChatService:
-    """pending() -> how many requests the server has admitted (set by the app). The save of a plain
-    session's conversation with its reply is deferred (`later`), so the response does not wait for
-    it: it runs once the server has been idle for IDLE_GRACE_S (`flush`; a person reading the
-    reply gives it that time), or is folded into the session's next turn when that turn's prompt
-    holds the reply (its prompt is saved anyway: computed once instead of twice), or is dropped
-    when the session's next turn does not extend it (a client that trimmed or edited its history:
-    no turn of the session continues that conversation any more, and its prompt was saved). At
-    shutdown every deferred save runs."""
+    """pending() -> how many requests the server has admitted (set by the app). A request without a
+    user saves its prompt's whole prefill forwards before it decodes (`saved_part`); the rest of
+    its saves (the whole prompt, and the conversation with its reply) are deferred (`later`), so
+    the response does not wait for them: they run once the server has been idle for IDLE_GRACE_S
+    (`flush`; a person reading the reply gives it that time), or, in a session, are folded into
+    the session's next turn when that turn's prompt holds the reply (its prompt is saved anyway:
+    computed once instead of twice), or are dropped when the session's next turn does not extend
+    it (a client that trimmed or edited its history: no turn of the session continues that
+    conversation any more). At shutdown every deferred save runs."""
 
     def __init__(self, mem, sessions: Sessions) -> None:
         self.mem = mem
@@ -87,7 +91,8 @@ class ChatService:
         self.later: dict[str, tuple] = {}          # session record -> (p, w, new): the reply's save, deferred
         self.busy_at = time.monotonic()            # when a chat request last finished its model work
         self.released = lambda: 0.0                # when any request last left the server (set by the app)
-        self.dropped = 0                           # deferred saves a session's next turn made moot
+        self.dropped = 0                           # deferred saves made moot (a session's next turn) or dropped
+        self._anon = 0
 
     def ids(self, messages: list[dict]) -> list[int]:
         return prompts.chat_ids(self.mem.tokenizer, messages)
@@ -123,16 +128,34 @@ class ChatService:
                                 "in memory instead", param="messages", code="context_length_exceeded")
         return True
 
+    def saved_part(self, n: int) -> int:
+        """How many of a prompt's n tokens are saved (restored, or computed canonically) before it
+        decodes: its whole forwards of the store's prefill (prefill_tokens; block_tokens by default),
+        the part a later turn can restore. The rest (fewer than prefill_tokens, and the last token)
+        is the decoding's first rows (greedy's feed): in a batcher, rows of a step the others'
+        decoding runs anyway instead of forwards of its own, and no commit when the saved part did
+        not grow. In invariant mode a later turn restores a partial forward too: all but the last
+        token are saved."""
+        from kvmemory.model import invariant
+        if n <= 1:
+            return 0
+        if invariant.installed(self.mem.model):
+            return n - 1
+        q = self.mem.require_store().manifest.chunk_tokens
+        return (n - 1) // q * q
+
     def _prepare(self, p: ChatParams, ids: list[int]) -> Prepared:
         """Without a user, a conversation (its tokens: ids) that fits the window: its prefix restored
-        (or computed) and saved."""
+        (or computed) and saved up to `saved_part`; the rest is fed to the decoding."""
         mem = self.mem
-        prefix = mem.save(ids[:-1], label="kvmemory:chat") if len(ids) > 1 else None
+        cut = self.saved_part(len(ids))
+        if cut < len(ids) - 1 and mem.is_stored(ids[:-1]):
+            cut = len(ids) - 1                  # the whole prompt was saved (a resend: restored, not computed)
+        prefix = mem.save(ids[:cut], label="kvmemory:chat") if cut else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
-        # the last token's forward is the decoding's first (greedy's feed): in a batcher it is one
-        # row of a step the others' decoding runs anyway, not a pass over the weights of its own
         return Prepared(ids, cache, None, prefix.reused_tokens if prefix is not None else 0,
-                        [prefix.id] if prefix is not None else [], [], None, feed=ids[-1])
+                        [prefix.id] if prefix is not None else [], [], None,
+                        feed=ids[cut:] if len(ids) - cut > 1 else ids[-1])
 
     def complete(self, p: ChatParams, emit, cancel: threading.Event) -> dict:
         """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
@@ -156,10 +179,10 @@ class ChatService:
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
-            if not cancelled and p.session and p.user is None and w.label is None:
+            if not cancelled and p.user is None and w.label is None:
                 # the turn recorded now; its save when idle, with the next turn, or not at all (_fold)
                 self._finish(p, w, new, text, save=False)
-                self.later[session_record(p)] = (p, replace(w, cache=None, logits=None), new)
+                self._defer(session_record(p) if p.session else None, (p, replace(w, cache=None, logits=None), new))
             elif not cancelled:
                 self._finish(p, w, new, text)
             self.busy_at = time.monotonic()
@@ -181,12 +204,33 @@ class ChatService:
                                  state.n_tokens if state is not None else len(w.ids) + len(new), w.recalled,
                                  user=p.user)
 
+    def _defer(self, key: str | None, job: tuple) -> None:
+        """List a request's saves (key: its session's record; None: a request without a session,
+        whose saves no next turn folds). At most MAX_DEFERRED wait: past that the oldest of a
+        request without a session is dropped (its whole prefill forwards are saved; the saves
+        it skips are a cache of what a resend would compute again)."""
+        if key is None:
+            self._anon += 1
+            key = f"{ANON}{self._anon}"
+        self.later[key] = job
+        while len(self.later) > MAX_DEFERRED:
+            old = next((k for k in self.later if k.startswith(ANON)), None)
+            if old is None or self.later.pop(old, None) is None:
+                break
+            self.dropped += 1
+
     def _saved(self, key: str, job: tuple) -> None:
-        """A deferred save run (under the Memory's lock, so a session being forgotten sees its state)
-        and added to the turn's record."""
+        """A deferred save run (under the Memory's lock, so a session being forgotten sees its
+        states) and added to the turn's record: the whole prompt first where only part of it was
+        saved (`saved_part`: a resend of the same prompt, a regenerate, then restores all of it),
+        then the conversation with its reply."""
         p, w, new = job
-        state = self.mem.save(w.ids + new, label="kvmemory:chat")
-        self.sessions.add_state(key, state.id)
+        states = [self.mem.save(w.ids[:-1], label="kvmemory:chat").id] \
+            if self.saved_part(len(w.ids)) < len(w.ids) - 1 else []
+        states.append(self.mem.save(w.ids + new, label="kvmemory:chat").id)
+        if p.session:
+            for st in states:
+                self.sessions.add_state(key, st)
 
     def _fold(self, key: str, ids: list[int] | None) -> None:
         """A session's deferred save before its next turn (ids: that turn's prompt), which makes it

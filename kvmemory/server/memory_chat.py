@@ -41,7 +41,7 @@ class Prepared:
     label: str | None = None
     window: int | None = None      # tokens the reply attends to before it (prompt + grafted), if not len(ids)
     owner: str | None = None       # salts the chains and keys the ids of the states saved (a user's own)
-    feed: int | None = None        # with logits None: the prompt's last token, not in the cache yet (decoded first)
+    feed: int | list[int] | None = None   # with logits None: the prompt's last token(s), not in the cache yet (decoded first)
 
 
 def session_memory(mem, session: str) -> ChatMemory:
