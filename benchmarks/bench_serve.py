@@ -9,9 +9,7 @@ bounded queue saying "busy"; anything else non-200 is an error). Then, on the la
   at once; the share whose reply differs (batched Linear rows may round differently in the last bits)
 - TTFT of an ask while a document of --deposit-tokens is being deposited, against the same asks idle
 - TTFT of a ~4K-token conversation recomputed (a new conversation) vs restored (the same
-  conversation again: its prefix comes back from the store). Sent again at once, it restores the
-  prompt's whole prefill forwards and computes the rest; sent again after the server has been idle
-  a moment (a regenerate after reading the reply), the whole prompt, saved meanwhile
+  conversation again: its prefix comes back from the store)
 
     python benchmarks/bench_serve.py --seconds 60 --clients 1,8,32 --batch 1,8
 """
@@ -63,15 +61,6 @@ def start(mem, queue_size: int, batch: int = 8, ask_rerank: int | None = None):
     while not srv.started:
         time.sleep(0.05)
     return srv, t, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-
-
-def saved(srv, timeout: float = 300) -> None:
-    """Wait until the server has run its deferred saves (a reply's conversation is saved once the
-    server has been idle a moment: kvmemory/server/chat.py)."""
-    chat = srv.config.app.state.ctx.chat
-    end = time.monotonic() + timeout
-    while chat.later and time.monotonic() < end:
-        time.sleep(0.05)
 
 
 async def load(url: str, model: str, clients: int, seconds: float, rng: random.Random, chat_only: bool = False,
@@ -346,9 +335,7 @@ def main() -> int:
                 convo = [{"role": "system", "content": text(rng, int(args.conversation_tokens * 0.9))},
                          {"role": "user", "content": "Summarise the log in one line."}]
                 recomputed, c0 = ttft(url, mem.model_name, convo)
-                at_once, c2 = ttft(url, mem.model_name, convo)       # before the deferred save of the first
-                saved(srv)
-                restored, c1 = ttft(url, mem.model_name, convo)      # after it (a regenerate after reading)
+                restored, c1 = ttft(url, mem.model_name, convo)
                 if args.peer_python:
                     extra["ours_chat_only"] = [asyncio.run(load(url, mem.model_name, int(c), args.seconds,
                                                                 random.Random(level_seed + 7 + int(c)), chat_only=True))
@@ -357,7 +344,6 @@ def main() -> int:
                                                                  return_dict=False))
                 extra["ttft"] = {"conversation_tokens": n_tokens, "recomputed_s": recomputed, "restored_s": restored,
                                  "cached_tokens_restored": c1, "cached_tokens_recomputed": c0,
-                                 "again_at_once_s": at_once, "cached_tokens_again_at_once": c2,
                                  "speedup": recomputed / restored}
             srv.should_exit = True
             t.join(timeout=30)
@@ -405,9 +391,7 @@ def main() -> int:
     if "ttft" in res:
         tt = res["ttft"]
         print(f"TTFT of a {tt['conversation_tokens']}-token conversation: recomputed {tt['recomputed_s']:.2f} s, "
-              f"restored {tt['restored_s']:.2f} s ({tt['speedup']:.0f}x; {tt['cached_tokens_restored']} tokens restored; "
-              f"sent again at once {tt.get('again_at_once_s', float('nan')):.2f} s, "
-              f"{tt.get('cached_tokens_again_at_once', 0)} restored), "
+              f"restored {tt['restored_s']:.2f} s ({tt['speedup']:.0f}x; {tt['cached_tokens_restored']} tokens restored), "
               f"after a restart {tt.get('restored_after_restart_s', float('nan')):.2f} s")
     try:
         import matplotlib

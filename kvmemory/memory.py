@@ -374,12 +374,6 @@ class Memory:
         return self.states_room.save(text_or_ids, label, owner)
 
     @_locked
-    def is_stored(self, text_or_ids, owner: str | None = None) -> bool:
-        """Whether every block of the prompt's chain is in the store (its whole KV is restored, not
-        computed, by save())."""
-        return self.states_room.is_stored(text_or_ids, owner)
-
-    @_locked
     def resolve(self, state_id: str) -> str:
         """Full id of a committed state given its id or a unique prefix of >= 8 hex digits."""
         return self.states_room.resolve(state_id)

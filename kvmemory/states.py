@@ -101,15 +101,6 @@ class States:
                 f"{what} is {n} tokens, longer than the model's window of {self.geometry.max_positions}; "
                 "split it, or deposit it as a document")
 
-    def is_stored(self, text_or_ids, owner: str | None = None) -> bool:
-        """Whether every block of the prompt's chain is in the store: save() would compute nothing."""
-        store = self.require_store()
-        ids = self.tokenize(text_or_ids)
-        root = hashing.ROOT_PARENT if owner is None else hashing.salt_root(f"kvmemory-owner:{owner}")
-        store.refresh()
-        return bool(ids) and all(store.row_of(b) is not None for b in hashing.chain_ids(
-            self.fingerprint, ids, store.manifest.block_tokens, parent=root))
-
     def save(self, text_or_ids, label: str = "", owner: str | None = None) -> State:
         """Compute (or reuse) the KV of a prompt and commit it as a state. Returns the State.
 

@@ -75,14 +75,14 @@ ANON = "\x00request:"     # the key of a request without a session in `later` (n
 
 class ChatService:
     """pending() -> how many requests the server has admitted (set by the app). A request without a
-    user saves its prompt's whole prefill forwards before it decodes (`saved_part`); the rest of
-    its saves (the whole prompt, and the conversation with its reply) are deferred (`later`), so
-    the response does not wait for them: they run once the server has been idle for IDLE_GRACE_S
-    (`flush`; a person reading the reply gives it that time), or, in a session, are folded into
-    the session's next turn when that turn's prompt holds the reply (its prompt is saved anyway:
-    computed once instead of twice), or are dropped when the session's next turn does not extend
-    it (a client that trimmed or edited its history: no turn of the session continues that
-    conversation any more). At shutdown every deferred save runs."""
+    user saves its prompt's whole prefill forwards before it decodes (`saved_part`); the save of
+    the conversation with its reply is deferred (`later`), so the response does not wait for it:
+    it runs once the server has been idle for IDLE_GRACE_S (`flush`; a person reading the reply
+    gives it that time), or, in a session, is folded into the session's next turn when that
+    turn's prompt holds the reply (its prompt is saved anyway: computed once instead of twice), or
+    is dropped when the session's next turn does not extend it (a client that trimmed or edited
+    its history: no turn of the session continues that conversation any more). At shutdown every
+    deferred save runs."""
 
     def __init__(self, mem, sessions: Sessions) -> None:
         self.mem = mem
@@ -134,8 +134,10 @@ class ChatService:
         the part a later turn can restore. The rest (fewer than prefill_tokens, and the last token)
         is the decoding's first rows (greedy's feed): in a batcher, rows of a step the others'
         decoding runs anyway instead of forwards of its own, and no commit when the saved part did
-        not grow. In invariant mode a later turn restores a partial forward too: all but the last
-        token are saved."""
+        not grow. A function of n and the store only, so a prompt is computed the same way whether
+        its prefix was restored or recomputed, sent again or after a restart (alone: the same reply,
+        bit for bit). In invariant mode a later turn restores a partial forward too: all but the
+        last token are saved."""
         from kvmemory.model import invariant
         if n <= 1:
             return 0
@@ -149,8 +151,6 @@ class ChatService:
         (or computed) and saved up to `saved_part`; the rest is fed to the decoding."""
         mem = self.mem
         cut = self.saved_part(len(ids))
-        if cut < len(ids) - 1 and mem.is_stored(ids[:-1]):
-            cut = len(ids) - 1                  # the whole prompt was saved (a resend: restored, not computed)
         prefix = mem.save(ids[:cut], label="kvmemory:chat") if cut else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
         return Prepared(ids, cache, None, prefix.reused_tokens if prefix is not None else 0,
@@ -205,10 +205,9 @@ class ChatService:
                                  user=p.user)
 
     def _defer(self, key: str | None, job: tuple) -> None:
-        """List a request's saves (key: its session's record; None: a request without a session,
-        whose saves no next turn folds). At most MAX_DEFERRED wait: past that the oldest of a
-        request without a session is dropped (its whole prefill forwards are saved; the saves
-        it skips are a cache of what a resend would compute again)."""
+        """List a request's deferred save (key: its session's record; None: a request without a
+        session, whose save no next turn folds). At most MAX_DEFERRED wait: past that the oldest of
+        a request without a session is dropped (a cache of what a next request would compute)."""
         if key is None:
             self._anon += 1
             key = f"{ANON}{self._anon}"
@@ -221,16 +220,11 @@ class ChatService:
 
     def _saved(self, key: str, job: tuple) -> None:
         """A deferred save run (under the Memory's lock, so a session being forgotten sees its
-        states) and added to the turn's record: the whole prompt first where only part of it was
-        saved (`saved_part`: a resend of the same prompt, a regenerate, then restores all of it),
-        then the conversation with its reply."""
+        state) and added to the turn's record."""
         p, w, new = job
-        states = [self.mem.save(w.ids[:-1], label="kvmemory:chat").id] \
-            if self.saved_part(len(w.ids)) < len(w.ids) - 1 else []
-        states.append(self.mem.save(w.ids + new, label="kvmemory:chat").id)
+        state = self.mem.save(w.ids + new, label="kvmemory:chat")
         if p.session:
-            for st in states:
-                self.sessions.add_state(key, st)
+            self.sessions.add_state(key, state.id)
 
     def _fold(self, key: str, ids: list[int] | None) -> None:
         """A session's deferred save before its next turn (ids: that turn's prompt), which makes it
