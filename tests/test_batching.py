@@ -692,6 +692,17 @@ def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch
                 "model": "kvmemory", "messages": [{"role": "user", "content": words(rng, 5, f"n{i}")}],
                 "max_tokens": 2}).raise_for_status()
         assert len(c.later) == 2 and c.dropped >= 2                # two of these four
+        # a deferred save that fails is reported and dropped; the others still run
+        real_save = mem.save
+
+        def failing(ids, *a, **k):
+            if mem.save is failing and len(c.later) == 2:
+                raise OSError("disk full")
+            return real_save(ids, *a, **k)
+        monkeypatch.setattr(mem, "save", failing)
+        n_states = len(mem.states())
+        assert c.flush(all_=True) == 2 and c.failed == 1 and not c.later
+        assert len(mem.states()) == n_states + 1
     finally:
         c.pending = real
         srv.should_exit = True

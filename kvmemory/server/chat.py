@@ -13,6 +13,7 @@ Greedy replies are therefore identical whether a prefix was restored or recomput
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from kvmemory.server.schemas import ChatCompletionRequest
 from kvmemory.server.sessions import Sessions
 
 DEFAULT_MAX_TOKENS = 256
+log = logging.getLogger("kvmemory.server")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class ChatService:
         self.busy_at = time.monotonic()            # when a chat request last finished its model work
         self.released = lambda: 0.0                # when any request last left the server (set by the app)
         self.dropped = 0                           # deferred saves made moot (a session's next turn) or dropped
+        self.failed = 0                            # deferred saves that raised (logged)
         self._anon = 0
 
     def ids(self, messages: list[dict]) -> list[int]:
@@ -150,6 +153,7 @@ class ChatService:
         """Without a user, a conversation (its tokens: ids) that fits the window: its prefix restored
         (or computed) and saved up to `saved_part`; the rest is fed to the decoding."""
         mem = self.mem
+        mem.require_store().require_exact()     # a compact store takes no conversation (409), short ones too
         cut = self.saved_part(len(ids))
         prefix = mem.save(ids[:cut], label="kvmemory:chat") if cut else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
@@ -261,8 +265,13 @@ class ChatService:
                 if not self.later:
                     break
                 key = next(iter(self.later))
-                with torch.inference_mode():
-                    self._saved(key, self.later[key])
+                try:
+                    with torch.inference_mode():
+                        self._saved(key, self.later[key])
+                except Exception as e:       # noqa: BLE001 -- a cache's save: reported, never fatal
+                    self.failed += 1
+                    log.warning("a deferred save of %s failed (the next turn computes its tokens): %s: %s",
+                                "a request" if key.startswith(ANON) else f"session {key!r}", type(e).__name__, e)
                 self.later.pop(key, None)         # last: while it is listed, its save is not done
             n += 1
         return n
