@@ -22,6 +22,7 @@ import torch
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.decode import TextStream, greedy, sampler
+from kvmemory.model import invariant
 from kvmemory.server.errors import ApiError, bad, check_id
 from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_memory, session_record
 from kvmemory.server.schemas import ChatCompletionRequest
@@ -91,8 +92,7 @@ class ChatService:
         self.sessions = sessions
         self.pending = lambda: 0
         self.later: dict[str, tuple] = {}          # session record -> (p, w, new): the reply's save, deferred
-        self.busy_at = time.monotonic()            # when a chat request last finished its model work
-        self.released = lambda: 0.0                # when any request last left the server (set by the app)
+        self.released = lambda: float("-inf")      # when a request last left the server (set by the app)
         self.dropped = 0                           # deferred saves made moot (a session's next turn) or dropped
         self.failed = 0                            # deferred saves that raised (logged)
         self._anon = 0
@@ -141,7 +141,6 @@ class ChatService:
         its prefix was restored or recomputed, sent again or after a restart (alone: the same reply,
         bit for bit). In invariant mode a later turn restores a partial forward too: all but the
         last token are saved."""
-        from kvmemory.model import invariant
         if n <= 1:
             return 0
         if invariant.installed(self.mem.model):
@@ -189,7 +188,6 @@ class ChatService:
                 self._defer(session_record(p) if p.session else None, (p, replace(w, cache=None, logits=None), new))
             elif not cancelled:
                 self._finish(p, w, new, text)
-            self.busy_at = time.monotonic()
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
                 "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory}
 
@@ -237,15 +235,15 @@ class ChatService:
         continues that conversation. The session's record is kept in both cases. A turn whose
         prompt is not known here (ids None: a user's memory window) runs the save now."""
         job = self.later.pop(key, None)
-        if job is not None:
-            p, w, new = job
-            done = w.ids + new
-            extends = ids is not None and ids[:len(done)] == done and len(ids) > len(done)
-            if ids is None:
-                with self.mem.exclusive(), torch.inference_mode():
-                    self._saved(key, job)
-            elif not extends:
-                self.dropped += 1
+        if job is None:
+            return
+        if ids is None:
+            with self.mem.exclusive(), torch.inference_mode():
+                self._saved(key, job)
+            return
+        done = job[1].ids + job[2]
+        if not (ids[:len(done)] == done and len(ids) > len(done)):
+            self.dropped += 1
 
     def take(self, key: str):
         """A session's deferred save, removed (its session is being forgotten), or None (dict.pop is
@@ -254,7 +252,7 @@ class ChatService:
 
     def idle(self) -> bool:
         """Nothing admitted, and nothing finished for IDLE_GRACE_S: a deferred save may run."""
-        return self.pending() == 0 and time.monotonic() - max(self.busy_at, self.released()) >= IDLE_GRACE_S
+        return self.pending() == 0 and time.monotonic() - self.released() >= IDLE_GRACE_S
 
     def flush(self, all_: bool = False) -> int:
         """Run the deferred saves while the server is idle (all_: every one, as at shutdown). Returns
