@@ -277,6 +277,72 @@ def peer_run(args, rng_seed: int, convo: list) -> dict:
             "ttft": {"recomputed_s": first, "same_server_again_s": again, "after_restart_s": restarted}}
 
 
+BASELINE_SERVER = r"""
+import importlib.util, os, sys, threading, time
+import uvicorn
+import kvmemory
+store, doc, queue, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+index = os.path.join(root, "index", "__init__.py")   # the checkout's own kvmemory.index, not the installed one
+if os.path.isfile(index):
+    spec = importlib.util.spec_from_file_location("kvmemory.index", index,
+                                                  submodule_search_locations=[os.path.dirname(index)])
+    sys.modules["kvmemory.index"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+from kvmemory.server import create_app
+mem = kvmemory.Memory(store)
+mem.add(open(doc, encoding="utf-8").read(), doc_id="harbour")
+srv = uvicorn.Server(uvicorn.Config(create_app(mem, queue_size=queue), host="127.0.0.1", port=0, log_level="warning"))
+t = threading.Thread(target=srv.run, daemon=True)
+t.start()
+while not srv.started:
+    time.sleep(0.05)
+print(srv.servers[0].sockets[0].getsockname()[1], flush=True)
+sys.stdin.read()                       # served until the benchmark closes our stdin
+srv.should_exit = True
+t.join(timeout=30)
+mem.close()
+"""
+
+
+def baseline_run(args, level_seed: int, harbour: str) -> dict:
+    """The same load (the same clients and requests as every --batch setting) against the server of
+    another checkout of kvmemory (--baseline: e.g. a git worktree of the commit an issue measured),
+    with its own defaults, in a subprocess of this python with that checkout first on its path."""
+    import os
+    import subprocess
+
+    import httpx
+    root = Path(args.baseline).resolve()
+    if not (root / "kvmemory" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: {root} is not a checkout of kvmemory (no kvmemory/__init__.py)")
+    rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="kvm-baseline-") as tmp:
+        doc = Path(tmp) / "harbour.txt"
+        doc.write_text(harbour, encoding="utf-8")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        proc = subprocess.Popen([sys.executable, "-c", BASELINE_SERVER, str(Path(tmp) / "s.kvm"), str(doc),
+                                 str(args.queue), str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                                cwd=tmp)
+        try:
+            port = proc.stdout.readline().strip()
+            if not port.isdigit():
+                raise RuntimeError(f"the baseline server at {root} did not start (exit {proc.wait()})")
+            url = f"http://127.0.0.1:{port}"
+            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            rows = [asyncio.run(load(url, model, int(c), args.seconds, random.Random(level_seed + int(c))))
+                    for c in args.clients.split(",")]
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    for r in rows:
+        print(f"  baseline, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
+              f"status {r['status']}", file=sys.stderr)
+    return {"path": str(root), "commit": rev.stdout.strip() if rev.returncode == 0 else None, "rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,8,32")
@@ -297,6 +363,10 @@ def main() -> int:
                     help="a python with llama-cpp-python[server]: also run the chat-only load and the 4K conversation "
                          "against its server on the same GGUF (ours is run chat-only too, on the last --batch)")
     ap.add_argument("--peer-threads", type=int, default=2)
+    ap.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                    help="also run the same load against the server of another checkout of kvmemory (e.g. `git "
+                         "worktree add /tmp/base REV`), with that version's defaults, and report each setting's "
+                         "requests/s over it")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None, help="default benchmarks/results/serve-DATE.json")
     args = ap.parse_args()
@@ -357,6 +427,8 @@ def main() -> int:
                 mem.close()
     if args.peer_python:
         extra["peer"] = peer_run(args, level_seed + 7, convo)
+    if args.baseline:
+        extra["baseline"] = baseline_run(args, level_seed, harbour)
     from kvmemory.config import ASK_RERANK
     res = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
            "ask_rerank": ASK_RERANK if args.ask_rerank is None else args.ask_rerank,
@@ -369,6 +441,16 @@ def main() -> int:
         for r in st["rows"]:
             print(f"| {st['setting']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
                   f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
+    if "baseline" in res:
+        base = res["baseline"]
+        for r in base["rows"]:
+            print(f"| baseline {base['commit'] or base['path']} | {r['clients']} | {r['requests_per_s']:.2f} | "
+                  f"{r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | "
+                  f"{r['status'].get('429', 0)} | {r['errors']} |")
+        for st in settings:
+            print(f"{st['setting']} over the baseline: " + ", ".join(
+                f"x{r['requests_per_s'] / b['requests_per_s']:.2f} at {r['clients']}"
+                for r, b in zip(st["rows"], base["rows"]) if b["requests_per_s"]))
     if "differ" in res:
         d = res["differ"]
         print(f"\ngreedy replies batched vs alone: {d['differ']} of {d['conversations']} differ")

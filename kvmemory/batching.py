@@ -19,7 +19,8 @@ with its question's tokens (several rows: that step runs through `forward_many`)
 (its own pick: greedy, temperature / top_p, its own seeded generator), and so are stop strings and
 cancellation (its on_token callback).
 
-Exactness: a step of one sequence is the model's own forward, bit for bit. With several, each row
+Exactness: a step of one sequence is the model's own forward, bit for bit (with SDPA or invariant
+attention the same modules run in the same order in forward_many's loop; tested). With several, each row
 of a Linear is reduced by a kernel chosen for B rows, which may round differently in the last bits
 than one row alone, so a greedy reply may differ from the same request served alone where two
 tokens are nearly tied (measured: tests/test_batching.py, benchmarks/bench_serve.py, README). In
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmemory.device import ids_tensor
+from kvmemory.model.invariant import NAME as INVARIANT
 
 _local = threading.local()
 
@@ -102,6 +104,9 @@ def llama_like(model) -> bool:
             and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
 
 
+LOOP_ALONE = ("sdpa", INVARIANT)   # attentions whose one-sequence forward_many is the model's forward
+
+
 def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
     """One decode step: token i appended to caches[i] (each extended in place, into its reserved
     room where it has one); -> the next logits [vocab] of each. One sequence: the model's own
@@ -117,20 +122,23 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
 
     The rows of every sequence go through each Linear, norm and MLP together; attention runs per
     sequence over its own cache (causal among its new tokens), at its own positions. One
-    sequence, or a model the batched step does not know: the model's own forward. Several: a
-    sequence's rows may round differently in the last bits than its prefill alone (the GEMM's
-    kernel depends on the row count), deterministically for the same inputs; in invariant mode
-    (kvmemory/model/invariant.py) they are its prefill alone, bit for bit."""
+    sequence: the model's own forward, bit for bit: with the attention of LOOP_ALONE, the same
+    modules in the same order here (tested: logits and KV equal), so its KV goes into its reserved
+    room instead of a concatenation of the whole cache (9-17% of a step for 300-2,000-token
+    windows); with another attention, or a model the batched step does not know, the model's own
+    forward itself. Several: a sequence's rows may round differently in the last bits than its
+    prefill alone (the GEMM's kernel depends on the row count), deterministically for the same
+    inputs; in invariant mode (kvmemory/model/invariant.py) they are its prefill alone, bit for bit."""
     if len(caches) != len(ids) or len(ids) != len(keep) or any(not t for t in ids) or any(
             not 1 <= k <= len(t) for k, t in zip(keep, ids)):
         raise ValueError("forward_many: one non-empty token list and 1 <= keep <= its length per cache")
-    if len(caches) == 1 or not llama_like(model):
+    impl = model.config._attn_implementation
+    if not llama_like(model) or (len(caches) == 1 and impl not in LOOP_ALONE):
         return [model(input_ids=ids_tensor(t, model), past_key_values=c, use_cache=True,
                       logits_to_keep=k).logits[0] for c, t, k in zip(caches, ids, keep)]
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-    from kvmemory.model.invariant import NAME as INVARIANT
     inner, dev = model.model, model.device
     lens = [c.get_seq_length() for c in caches]
     sizes = [len(t) for t in ids]
@@ -138,7 +146,6 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
     x = inner.embed_tokens(torch.tensor([[t for seq in ids for t in seq]], dtype=torch.long, device=dev))
     pos = torch.tensor([[n + j for n, T in zip(lens, sizes) for j in range(T)]], dtype=torch.long, device=dev)
     cos, sin = inner.rotary_emb(x, pos)                                     # [1, R, D]
-    impl = model.config._attn_implementation
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
     masks = [None if impl == INVARIANT or T == 1 else
              torch.ones(T, n + T, dtype=torch.bool, device=dev).tril(diagonal=n)[None, None]
@@ -340,6 +347,9 @@ class Batcher:
                     s.error, go = e, False
                 if go:
                     still.append(s)
+                    if getattr(s.cache, "_kvmemory_room", None) is None:
+                        # it joined with an empty cache (a prompt fed whole): room from its next step on
+                        reserve(s.cache, s.max_new - len(s.new))
                 else:
                     s.done.set()
             active = still

@@ -114,6 +114,46 @@ def test_forward_many_is_each_sequence_prefilled_alone(tiny, rng, mode):
             forward_many(model, [c] * len(bad[0]) or [c], *bad)
 
 
+def _one_sequence_is_the_models_forward(model, rng, vocab=2000):
+    """forward_many / step with one cache (its layer loop: the KV written into reserved room) against
+    the model's own forward on a copy: logits and KV equal, bit for bit, for a prompt fed whole on
+    an empty cache, a tail of several tokens after a cache, and decode steps in room."""
+    import copy
+    for _ in range(3):
+        p = [rng.randrange(5, vocab) for _ in range(rng.randrange(2, 120))]
+        tail = [rng.randrange(5, vocab) for _ in range(rng.randrange(2, 20))]
+        ours, theirs = kvops.make_cache(None, model.config), kvops.make_cache(None, model.config)
+        with torch.inference_mode():
+            for i, ids in enumerate([p, tail] + [[rng.randrange(5, vocab)] for _ in range(4)]):
+                if i == 2:
+                    reserve(ours, 4)                       # decode steps written in place from here
+                a = model(input_ids=torch.tensor([ids]), past_key_values=theirs, use_cache=True,
+                          logits_to_keep=1).logits[0, -1]
+                b = forward_many(model, [ours], [ids], [1])[0][-1] if len(ids) > 1 else step(model, [ours], ids)[0]
+                assert torch.equal(a, b)
+                for la, lb in zip(theirs.layers, ours.layers):
+                    assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+            assert ours.layers[0].keys.data_ptr() == ours._kvmemory_room[0][0].data_ptr()   # in its room
+            assert copy.deepcopy(ours).get_seq_length() == len(p) + len(tail) + 4
+
+
+@pytest.mark.parametrize("mode", ["default", "invariant"])
+def test_one_sequence_through_the_layer_loop_is_the_models_own_forward(tiny, rng, mode):
+    import copy
+
+    from kvmemory.model import invariant as inv
+    model = tiny[0]
+    if mode == "invariant":
+        model = copy.deepcopy(model)
+        inv.install(model)
+    _one_sequence_is_the_models_forward(model, rng)
+
+
+@pytest.mark.real_model
+def test_one_sequence_through_the_layer_loop_is_the_real_models_own_forward(real_model, rng):
+    _one_sequence_is_the_models_forward(real_model[0], rng, vocab=40000)
+
+
 def test_a_step_writes_into_reserved_room_the_same_numbers_as_it_appends(tiny, rng):
     """reserve(): the batched step writes each token's KV in place instead of concatenating the cache;
     logits and caches are bit for bit those of the appending step, also across a step of one (the
@@ -177,7 +217,9 @@ def test_a_fed_prompt_token_decodes_in_the_batch_as_its_own_forward_would(tiny, 
 def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny, rng, mode):
     """greedy(feed=[...]): a prompt's last tokens (an ask's question) not yet in the cache: alone,
     kv.last_logits of them then decoding; in a batcher, rows of a step (forward_many) beside the
-    others' one-token rows. Invariant mode: every reply is the one decoded alone, token for token."""
+    others' one-token rows. Some prompts are fed whole, on an empty cache (a chat too short to save
+    a forward): after their first step they get reserved room like the others (no concatenation of
+    the cache a step). Invariant mode: every reply is the one decoded alone, token for token."""
     import copy
 
     from kvmemory.model import invariant as inv
@@ -186,22 +228,27 @@ def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny,
         model = copy.deepcopy(model)
         inv.install(model)
     prompts = _prompts(rng, 6, lo=20, hi=60)
-    tails = [rng.randrange(2, 15) if i % 2 == 0 else 1 for i in range(len(prompts))]
+    tails = [rng.randrange(2, 15) if i % 3 == 0 else 1 if i % 3 == 1 else len(prompts[i]) for i in range(len(prompts))]
     lengths = [rng.randrange(2, 20) for _ in prompts]
+
+    def prefix(i):                               # the cache before the fed tail (a whole prompt: empty)
+        k = tails[i]
+        return kvops.make_cache(None, model.config) if k == len(prompts[i]) else _prefill(model, prompts[i][:-k])[0]
     firsts_alone = [[] for _ in prompts]
-    alone = [greedy(model, _prefill(model, p[:-k])[0], None, n, {0}, feed=p[-k:], first=f)
-             for p, k, n, f in zip(prompts, tails, lengths, firsts_alone)]
+    alone = [greedy(model, prefix(i), None, n, {0}, feed=p[-k:], first=f)
+             for i, (p, k, n, f) in enumerate(zip(prompts, tails, lengths, firsts_alone))]
     if mode == "invariant":                     # the tail fed or prefilled with the rest: the same reply
         assert alone == _decoded_alone(model, prompts, lengths)
     b = Batcher(model, threading.RLock(), max_batch=8)
     try:
         out = [None] * len(prompts)
         firsts = [[] for _ in prompts]
+        caches = [prefix(i) for i in range(len(prompts))]
         start = threading.Barrier(len(prompts))
 
         def run(i):
             serving(b)
-            c, _ = _prefill(model, prompts[i][:-tails[i]])
+            c = caches[i]
             start.wait()
             k = tails[i]
             out[i] = greedy(model, c, None, lengths[i], {0}, feed=prompts[i][-k:] if k > 1 else prompts[i][-1],
@@ -214,6 +261,9 @@ def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny,
         assert b.widest > 1 and b.rows > b.steps
         assert [len(o) for o in out] == [len(a) for a in alone]
         assert all(len(f) == 1 for f in firsts)             # the logits each first token came from
+        decoded_on = [i for i, o in enumerate(out) if len(o) >= 2]     # still in the loop after a step
+        assert any(tails[i] == len(prompts[i]) for i in decoded_on)
+        assert all(getattr(caches[i], "_kvmemory_room", None) is not None for i in decoded_on)
         if mode == "invariant":
             assert out == alone
             assert all(torch.equal(f[0], a[0]) for f, a in zip(firsts, firsts_alone))

@@ -119,13 +119,20 @@ def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
 
 @pytest.mark.real_model
 def test_bench_serve_loads_a_live_server_and_restores_the_conversation(tmp_path):
+    """A live server under a short load, the conversation restored on its second send, and the same
+    load against a --baseline checkout's server (this checkout, started in a subprocess)."""
     out = tmp_path / "serve.json"
     p = subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--batch", "8", "--clients", "2", "--seconds", "3",
                         "--differ", "0", "--deposit-tokens", "0", "--conversation-tokens", "600", "--ask-rerank", "0",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--baseline", str(ROOT), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ask_rerank"] == 0
+    # the same load against another checkout's server (this one, in a subprocess), and the ratio to it
+    (base,) = res["baseline"]["rows"]
+    assert base["clients"] == 2 and base["ok"] > 0 and base["errors"] == 0 and res["baseline"]["path"] == str(ROOT)
+    assert "batch 8 over the baseline: x" in p.stdout
     (row,) = res["settings"][0]["rows"]
     assert row["clients"] == 2 and row["ok"] > 0 and row["errors"] == 0 and set(row["status"]) == {"200"}
     t = res["ttft"]
