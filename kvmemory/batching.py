@@ -19,8 +19,9 @@ with its question's tokens (several rows: that step runs through `forward_many`)
 (its own pick: greedy, temperature / top_p, its own seeded generator), and so are stop strings and
 cancellation (its on_token callback).
 
-Exactness: a step of one sequence is the model's own forward, bit for bit (with SDPA or invariant
-attention the same modules run in the same order in forward_many's loop; tested). With several, each row
+Exactness: a step of one sequence is the model's own forward, bit for bit (on CPU with SDPA or
+invariant attention the same modules run in the same order in forward_many's loop; tested; elsewhere
+the model's forward itself runs). With several, each row
 of a Linear is reduced by a kernel chosen for B rows, which may round differently in the last bits
 than one row alone, so a greedy reply may differ from the same request served alone where two
 tokens are nearly tied (measured: tests/test_batching.py, benchmarks/bench_serve.py, README). In
@@ -104,7 +105,7 @@ def llama_like(model) -> bool:
             and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
 
 
-LOOP_ALONE = ("sdpa", INVARIANT)   # attentions whose one-sequence forward_many is the model's forward
+LOOP_ALONE = ("sdpa", INVARIANT)   # attentions whose one-sequence forward_many on CPU is the model's forward
 
 
 def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
@@ -122,18 +123,19 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
 
     The rows of every sequence go through each Linear, norm and MLP together; attention runs per
     sequence over its own cache (causal among its new tokens), at its own positions. One
-    sequence: the model's own forward, bit for bit: with the attention of LOOP_ALONE, the same
-    modules in the same order here (tested: logits and KV equal), so its KV goes into its reserved
-    room instead of a concatenation of the whole cache (9-17% of a step for 300-2,000-token
-    windows); with another attention, or a model the batched step does not know, the model's own
-    forward itself. Several: a sequence's rows may round differently in the last bits than its
+    sequence: the model's own forward, bit for bit: on CPU with the attention of LOOP_ALONE, the
+    same modules in the same order here (tested: logits and KV equal), so its KV goes into its
+    reserved room instead of a concatenation of the whole cache (9-17% of a step for
+    300-2,000-token windows); elsewhere (another attention, or a GPU, where SDPA given a mask may
+    pick another kernel than given is_causal), or for a model the batched step does not know, the
+    model's own forward itself. Several: a sequence's rows may round differently in the last bits than its
     prefill alone (the GEMM's kernel depends on the row count), deterministically for the same
     inputs; in invariant mode (kvmemory/model/invariant.py) they are its prefill alone, bit for bit."""
     if len(caches) != len(ids) or len(ids) != len(keep) or any(not t for t in ids) or any(
             not 1 <= k <= len(t) for k, t in zip(keep, ids)):
         raise ValueError("forward_many: one non-empty token list and 1 <= keep <= its length per cache")
     impl = model.config._attn_implementation
-    if not llama_like(model) or (len(caches) == 1 and impl not in LOOP_ALONE):
+    if not llama_like(model) or (len(caches) == 1 and (impl not in LOOP_ALONE or model.device.type != "cpu")):
         return [model(input_ids=ids_tensor(t, model), past_key_values=c, use_cache=True,
                       logits_to_keep=k).logits[0] for c, t, k in zip(caches, ids, keep)]
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
