@@ -551,10 +551,13 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
     """The save of a session's conversation with its reply waits until after the response: it is
     folded into the session's next turn (whose prompt holds the reply), or runs once the server has
     been idle a moment, or at shutdown; a next turn that does not extend it (a trimmed history)
-    drops it. The replies are those of a server that saves every reply before the next turn."""
+    drops it. It stores what a later turn restores (ChatService.restorable: here whole 8-token
+    blocks), nothing when that is no more than the prompt saved. The replies are those of a server
+    that saves every reply before the next turn."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     import kvmemory
+    from kvmemory.config import StoreConfig
     from kvmemory.server import create_app
     from kvmemory.server.chat import IDLE_GRACE_S
     from tests.test_server import _start, words
@@ -570,7 +573,7 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
     def conversation(app, url, busy):
         c = app.state.ctx.chat
         real = c.pending
-        history, replies, deferred = [system], [], []
+        history, replies, deferred, lens = [system], [], [], []
         for i, a in enumerate(asks):
             history.append({"role": "user", "content": a})
             c.pending = (lambda: 2) if busy else real            # another request waiting, or none
@@ -583,21 +586,27 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
             if not busy:
                 settle(c)
             replies.append(r["choices"][0]["message"]["content"])
+            lens.append((r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]))
             history.append({"role": "assistant", "content": replies[-1]})
-        return replies, deferred, history, real
+        return replies, deferred, history, real, lens
 
-    m1 = kvmemory.Memory(tmp_path / "idle.kvm", model=tiny)
+    def adds(c, n, k):          # whether the save of a prompt of n tokens and its reply of k stores more
+        return c.restorable(n + k) > c.saved_part(n)
+
+    small = StoreConfig(block_tokens=8)
+    m1 = kvmemory.Memory(tmp_path / "idle.kvm", model=tiny, store_config=small)
     app1 = create_app(m1)
     srv, t, url = _start(app1)
     try:
-        want, was_deferred, history, _ = conversation(app1, url, busy=False)
+        want, was_deferred, history, _, lens = conversation(app1, url, busy=False)
         assert [d for d in was_deferred if d is not None] and all(d in (1, None) for d in was_deferred)
-        assert not app1.state.ctx.chat.later                      # each saved while idle, before the next turn
-        ids = app1.state.ctx.chat.ids(history)                    # the whole conversation with its last reply
-        assert max(s.n_tokens for s in m1.states()) >= len(ids) - 1
+        c = app1.state.ctx.chat
+        assert not c.later                                        # each saved while idle, before the next turn
+        n, k = lens[-1]                                           # the last prompt and its reply
+        assert k >= 9 and adds(c, n, k)                           # a reply of 9+ tokens completes a block
+        assert max(s.n_tokens for s in m1.states()) == c.restorable(n + k) >= n
         assert httpx.get(url + "/v1/sessions/s1").json()["turns"] == 3
         # a next turn that trims the history: the first turn's save (deferred, busy) is dropped
-        c = app1.state.ctx.chat
         c.pending = lambda: 2
         first = [system, {"role": "user", "content": words(rng, 12, "another")}]   # no state of it yet
         httpx.post(url + "/v1/chat/completions", timeout=120, json={
@@ -606,9 +615,9 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
         assert "s3" in c.later
         before = {s.id for s in m1.states()}
         trimmed = [system, {"role": "user", "content": asks[2]}]
-        httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        r2 = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": "kvmemory", "messages": trimmed, "temperature": 0, "max_tokens": 12,
-            "prompt_cache_key": "s3"}).raise_for_status()
+            "prompt_cache_key": "s3"}).json()
         assert c.dropped == 1 and "s3" in c.later                 # the first's dropped; the second's waits
         new = [s for s in m1.states() if s.id not in before]
         k = c.saved_part(len(c.ids(trimmed)))
@@ -620,18 +629,20 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
         settle(c)
         after = httpx.get(url + "/v1/sessions/s3").json()
         last = [s for s in m1.states() if s.id == after["states"][-1]]
+        n2, k2 = r2["usage"]["prompt_tokens"], r2["usage"]["completion_tokens"]
+        assert k2 >= 9 and adds(c, n2, k2)
         assert not c.later and after["turns"] == 2 and len(after["states"]) == len(rec["states"]) + 1
-        assert last and last[0].n_tokens > len(c.ids(trimmed))    # the second's save added
+        assert last and last[0].n_tokens == c.restorable(n2 + k2) > len(c.ids(trimmed)) - 1   # the second's save added
     finally:
         srv.should_exit = True
         t.join(timeout=10)
         m1.close()
 
-    m2 = kvmemory.Memory(tmp_path / "busy.kvm", model=tiny)
+    m2 = kvmemory.Memory(tmp_path / "busy.kvm", model=tiny, store_config=small)
     app2 = create_app(m2)
     srv, t, url = _start(app2)
     try:
-        got, deferred, history, real = conversation(app2, url, busy=True)
+        got, deferred, history, real, lens = conversation(app2, url, busy=True)
         assert got == want                                        # the same replies, each save folded
         assert deferred == [1, 1, 1]                              # each turn's save waits (one a session)
         rec = httpx.get(url + "/v1/sessions/s1").json()
@@ -647,8 +658,10 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
             time.sleep(0.05)
         assert not app2.state.ctx.chat.later
         rec = httpx.get(url + "/v1/sessions/s1").json()
+        n, k = lens[-1]
+        assert adds(app2.state.ctx.chat, n, k)
         assert rec["turns"] == 3 and len(rec["states"]) == len(prompts) + 1   # the last reply's state added
-        assert max(s.n_tokens for s in m2.states()) >= len(ids)   # the last reply's conversation is stored
+        assert max(s.n_tokens for s in m2.states()) == app2.state.ctx.chat.restorable(n + k) >= len(ids)
         # deferred at shutdown: saved before the server stops
         history.append({"role": "user", "content": words(rng, 12, "last")})
         app2.state.ctx.chat.pending = lambda: 2
@@ -672,15 +685,17 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
         srv.should_exit = True
         t.join(timeout=10)
     assert not app2.state.ctx.chat.later
-    assert max(s.n_tokens for s in m2.states()) > len(final)      # prompt + reply
-    assert r["usage"]["completion_tokens"] > 0
+    n, k = r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]
+    assert k >= 9 and n == len(final)
+    assert max(s.n_tokens for s in m2.states()) == app2.state.ctx.chat.restorable(n + k) > len(final)   # prompt + reply
     m2.close()
 
 
 def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch(tmp_path, tiny, rng, monkeypatch):
     """A chat request saves its prompt up to its last whole forward of the store's prefill (the part
     a later turn restores) and decodes the rest as rows of the batched steps; every block stored,
-    before and after the deferred saves, is the canonical computation's (verify recompute); the
+    before and after the deferred saves, is the canonical computation's (verify recompute); a
+    deferred save stores the conversation with its reply up to its last whole forward; the
     same prompt again, alone, restores the same part and gives the same reply, bit for bit; the
     deferred saves of requests without a session are bounded."""
     httpx = pytest.importorskip("httpx")
@@ -704,7 +719,7 @@ def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch
 
         def send(i):
             out[i] = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-                "model": "kvmemory", "messages": convs[i], "temperature": 0, "max_tokens": 6,
+                "model": "kvmemory", "messages": convs[i], "temperature": 0, "max_tokens": Q,
                 "prompt_cache_key": f"c{i}"}).json()
         ts = [threading.Thread(target=send, args=(i,)) for i in range(len(convs))]
         for th in ts:
@@ -725,7 +740,13 @@ def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch
         while c.later and time.time() < end:
             time.sleep(0.05)
         assert not c.later
-        assert len(mem.states()) == sum(c.saved_part(n) > 0 for n in sizes) + len(convs)   # + each with its reply
+        replies = [c.restorable(n + o["usage"]["completion_tokens"]) for n, o in zip(sizes, out)]
+        assert all(r % Q == 0 for r in replies)                    # whole forwards only
+        grew = sum(r > c.saved_part(n) for r, n in zip(replies, sizes))
+        assert all(r > c.saved_part(n) for r, n, o in zip(replies, sizes, out)       # Q new tokens: a forward more
+                   if o["usage"]["completion_tokens"] == Q) and grew > 0
+        assert len(mem.states()) == sum(c.saved_part(n) > 0 for n in sizes) + grew   # + each reply that completed a forward
+        assert {st.n_tokens for st in mem.states()} == cuts | {r for r, n in zip(replies, sizes) if r > c.saved_part(n)}
         assert mem.verify(recompute=True) == []                       # canonical, every block
         # alone, twice: the second restores what the first saved and computes the rest the same way
         more = convs[0] + [{"role": "user", "content": words(rng, 9, "more")}]
@@ -737,10 +758,16 @@ def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch
         # requests without a session: their deferred saves are bounded, the oldest dropped
         monkeypatch.setattr(chat_mod, "MAX_DEFERRED", 2)
         c.pending = lambda: 2
+
+        def whole(i):       # a prompt of a multiple of Q tokens: its save stores one more forward, reply or not
+            for n_words in range(3, 60):
+                m = [{"role": "user", "content": words(rng, n_words, f"n{i}")}]
+                if len(c.ids(m)) % Q == 0:
+                    return m
+            raise AssertionError("no prompt of a multiple of Q tokens drawn")
         for i in range(4):
             httpx.post(url + "/v1/chat/completions", timeout=120, json={
-                "model": "kvmemory", "messages": [{"role": "user", "content": words(rng, 5, f"n{i}")}],
-                "max_tokens": 2}).raise_for_status()
+                "model": "kvmemory", "messages": whole(i), "max_tokens": 2}).raise_for_status()
         assert len(c.later) == 2 and c.dropped >= 2                # two of these four
         # a deferred save that fails is reported and dropped; the others still run
         real_save = mem.save

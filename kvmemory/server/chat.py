@@ -7,8 +7,9 @@ Persistence: the prompt of every request is saved as a state (its blocks content
 its last whole forward of the store's canonical prefill, ChatService.saved_part), so a request
 whose messages extend a stored conversation restores the longest stored prefix exactly and
 prefills only the rest (usage.prompt_tokens_details.cached_tokens); the conversation including
-the reply is saved too, computed the canonical (block-chunked) way, so the next turn restores it:
-after the response, once the server is idle, or within the session's next turn (ChatService).
+the reply is saved too, up to its last whole forward (what a turn that extends it can restore),
+computed the canonical (block-chunked) way: after the response, once the server is idle, or
+within the session's next turn (ChatService).
 Greedy replies are therefore identical whether a prefix was restored or recomputed."""
 
 from __future__ import annotations
@@ -141,12 +142,17 @@ class ChatService:
         its prefix was restored or recomputed, sent again or after a restart (alone: the same reply,
         bit for bit). In invariant mode a later turn restores a partial forward too: all but the
         last token are saved."""
-        if n <= 1:
-            return 0
+        return self.restorable(n - 1) if n > 1 else 0
+
+    def restorable(self, n: int) -> int:
+        """How many of a conversation's first n tokens a later turn that extends it restores from
+        the store: its whole forwards of the store's prefill (a partial forward's KV is not the
+        canonical block's, so only a state of exactly those tokens would find it); in invariant
+        mode all n."""
         if invariant.installed(self.mem.model):
-            return n - 1
+            return n
         q = self.mem.require_store().manifest.chunk_tokens
-        return (n - 1) // q * q
+        return n // q * q
 
     def _prepare(self, p: ChatParams, ids: list[int]) -> Prepared:
         """Without a user, a conversation (its tokens: ids) that fits the window: its prefix restored
@@ -222,9 +228,16 @@ class ChatService:
 
     def _saved(self, key: str, job: tuple) -> None:
         """A deferred save run (under the Memory's lock, so a session being forgotten sees its
-        state) and added to the turn's record."""
+        state) and added to the turn's record: the conversation with its reply up to what a later
+        turn restores (`restorable`), nothing when that is no more than its prompt saved (a partial
+        last forward would be a row no continuing turn reads: 12 MB for a 256-token block of the
+        default model)."""
         p, w, new = job
-        state = self.mem.save(w.ids + new, label="kvmemory:chat")
+        conv = w.ids + new
+        cut = self.restorable(len(conv))
+        if cut <= self.saved_part(len(w.ids)):
+            return
+        state = self.mem.save(conv[:cut], label="kvmemory:chat")
         if p.session:
             self.sessions.add_state(key, state.id)
 

@@ -32,7 +32,8 @@ async def delete_session(session_id: str, c: Context = Depends(ctx)):
     def forget():
         with mem.exclusive():      # a deferred save that was running has added its state by now
             s = c.sessions.data.get(session_id)
-            states.extend((s["states"] if s is not None else []) + (list(job[1].states) if job is not None else []))
+            listed = (s["states"] if s is not None else []) + (list(job[1].states) if job is not None else [])
+            states.extend(dict.fromkeys(listed))       # each once: a deferred turn's prompt is in the record too
             mem.forget_states(states)
         # stores written before session memory kept a session's older turns as shared documents
         gone = [d for d in mem.require_store().manifest.docs if d.startswith(prefix)]
