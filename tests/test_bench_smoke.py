@@ -156,3 +156,17 @@ def test_bench_serve_counts_a_server_that_drops_connections_as_errors():
     row = asyncio.run(load(f"http://127.0.0.1:{port}", "peer", 2, 0.6, random.Random(1), chat_only=True, peer=True))
     assert row["ok"] == 0 and row["p50_s"] is None
     assert set(row["status"]) == {"transport:ConnectError"} and row["errors"] == row["status"]["transport:ConnectError"] >= 2
+
+
+@pytest.mark.real_model
+def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(tmp_path):
+    """A default store restores whole blocks only, so a session whose conversation stays inside
+    its first block has nothing worth saving: no state, no row (each turn used to write one)."""
+    out = tmp_path / "saves.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_chat_saves.py", "--turns", "2", "--words", "12",
+                        "--max-tokens", "4", "--seed", "3", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["turns"] == 2 and len(res["replies"]) == 2 and 0 < res["conversation_tokens"] < 256
+    assert res["states"] == 0 and res["deferred_saves_s"] >= 0
