@@ -19,9 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORDS = ("harbour ferry lighthouse keeper gull market tide rope anchor lantern fog pier captain cargo "
-         "island bell net storm dawn brass scale ledger").split()
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,19 +33,17 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     r = random.Random(seed)
     import kvmemory
+    from benchmarks.bench_serve import text
     from benchmarks.machine import describe
     from kvmemory.server.chat import ChatParams, ChatService
     from kvmemory.server.sessions import Sessions
-
-    def text(n):
-        return " ".join(r.choice(WORDS) for _ in range(n))
     with tempfile.TemporaryDirectory(prefix="kvm-saves-") as tmp:
         mem = kvmemory.Memory(Path(tmp) / "s.kvm")
         svc = ChatService(mem, Sessions(Path(tmp) / "sessions"))
-        history = [{"role": "system", "content": "You are brief. " + text(40)}]
+        history = [{"role": "system", "content": "You are brief. " + text(r, 40)}]
         saves_s, replies, tokens = 0.0, [], 0
         for _ in range(args.turns):
-            history.append({"role": "user", "content": text(args.words) + "?"})
+            history.append({"role": "user", "content": text(r, args.words) + "?"})
             p = ChatParams(list(history), 0.0, 1.0, args.max_tokens, [], None, False, False, "bench")
             out = svc.complete(p, lambda s: None, threading.Event())
             history.append({"role": "assistant", "content": out["text"]})

@@ -343,6 +343,12 @@ def baseline_run(args, level_seed: int, harbour: str) -> dict:
     return {"path": str(root), "commit": rev.stdout.strip() if rev.returncode == 0 else None, "rows": rows}
 
 
+def table_row(name: str, r: dict) -> str:
+    """A load level's row of the printed tables: name | clients | req/s | p50 | p99 | 200 | 429 | errors."""
+    return (f"| {name} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} | "
+            f"{r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,8,32")
@@ -439,14 +445,11 @@ def main() -> int:
     print("| setting | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
     for st in settings:
         for r in st["rows"]:
-            print(f"| {st['setting']} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
-                  f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | {r['errors']} |")
+            print(table_row(st["setting"], r))
     if "baseline" in res:
         base = res["baseline"]
         for r in base["rows"]:
-            print(f"| baseline {base['commit'] or base['path']} | {r['clients']} | {r['requests_per_s']:.2f} | "
-                  f"{r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | "
-                  f"{r['status'].get('429', 0)} | {r['errors']} |")
+            print(table_row(f"baseline {base['commit'] or base['path']}", r))
         for st in settings:
             print(f"{st['setting']} over the baseline: " + ", ".join(
                 f"x{r['requests_per_s'] / b['requests_per_s']:.2f} at {r['clients']}"
@@ -464,9 +467,7 @@ def main() -> int:
         print("| server | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
         for name, rows_ in (("kvmemory", res["ours_chat_only"]), ("llama.cpp", res["peer"]["rows"])):
             for r in rows_:
-                print(f"| {name} | {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_s'] or 0:.2f} | "
-                      f"{r['p99_s'] or 0:.2f} | {r['status'].get('200', 0)} | {r['status'].get('429', 0)} | "
-                      f"{r['errors']} |")
+                print(table_row(name, r))
         pt = res["peer"]["ttft"]
         print(f"llama.cpp TTFT of the conversation: new {pt['recomputed_s']:.2f} s, again {pt['same_server_again_s']:.2f} s, "
               f"after a restart {pt['after_restart_s']:.2f} s")
