@@ -155,7 +155,7 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
         # a kept deposit is reused when it was made of the same text by the same code (the seed,
         # the size and the questions decide the text)
         key = hashlib.sha256(text.encode() + code_digest()).hexdigest()[:16]
-        path = Path(args.keep) / f"qa-{size}-{doc_no}-{key}.kvm"
+        path = Path(args.keep) / f"qa-{size}-{doc_no}-{key}" f"{'' if args.dtype == 'float32' else '-' + args.dtype}.kvm"
     else:
         path = work / f"qa-{size}-{doc_no}.kvm"
     mem = kvmemory.Memory(path, model=model)
@@ -343,6 +343,8 @@ def main() -> None:
                     help="the haystacks' prose: the standard library's docstrings (~0.1M tokens, repeated past "
                          "that: a 1M-token haystack holds each paragraph ~10 times) or every installed package's "
                          "too (~5M tokens that do not repeat)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="what the model computes in (Memory's dtype; default float32)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -355,13 +357,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-qa-", dir=args.dir))
     from kvmemory.config import RuntimeConfig, from_env
     from kvmemory.model import load_model
-    model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
+    model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir(),
+                               dtype=getattr(torch, args.dtype))
     rows = [run_size((model, tok), int(s), args, rng, work, configs) for s in args.sizes.split(",")]
     machine = describe()
     result = {"benchmark": "qa", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": seed,
-              "prose": args.prose, "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
+              "prose": args.prose, "dtype": args.dtype, "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
               "command": " ".join(sys.argv), "rows": rows}
-    print(f"\nQA — SmolLM2-135M-Instruct fp32, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
+    print(f"\nQA — SmolLM2-135M-Instruct {args.dtype}, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
     print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
           f"{'TTFT s':>7} {'p90 s':>6} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9} {'seamed':>6} "
           f"{'+/- 1st':>7} {'+/- rag':>7}")

@@ -65,6 +65,13 @@ class Memory:
     model passed in is changed). The mode is part of the fingerprint: a store is written by one
     mode only, and opening it with the other raises ModelMismatchError.
 
+    dtype: what a model loaded from disk computes in, a torch dtype or its name (default: env
+    KVMEMORY_DTYPE, else float32); torch.bfloat16 is ~2.5x faster to prefill and ~1.8x to decode
+    the default model on a CPU with AVX-512 BF16, and its KV takes half the bytes (README,
+    'bfloat16'). Part of the fingerprint, like the mode: a store's blocks are exact against its own
+    dtype's computation, and a store of another dtype raises ModelMismatchError. A loaded model
+    passed in computes in its own dtype (a different `dtype` raises InputError).
+
     `path` may be an object-store location, "s3://bucket/prefix": the store lives there (any
     S3-compatible service; endpoint, credentials and region from the AWS_* environment
     variables or `storage_options`), with the same digest checks and atomic commits; a local
@@ -85,8 +92,12 @@ class Memory:
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
         self._lock = threading.RLock()
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        if dtype is not None and not isinstance(dtype, str):
+            raise InputError(f"dtype must be a torch dtype or its name, got {dtype!r}")
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
-                                store_cache_bytes=store_cache_bytes, invariant=invariant)
+                                store_cache_bytes=store_cache_bytes, invariant=invariant, dtype=dtype)
         # where the store is, before the model loads: a bad path or URL fails in milliseconds
         loc = locate(path, must_exist=read_only, storage_options=storage_options, work_dir=work_dir)
         self.location, self.path = loc.name, loc.root
@@ -94,8 +105,13 @@ class Memory:
             self.path.mkdir(parents=True, exist_ok=True)
         elif loc.exists and not read_only and not os.access(self.path, os.W_OK):
             read_only = True
+        want = self.runtime.dtype
         self.model, self.tokenizer, self.model_name = load_model(
-            model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(), dtype=dtype)
+            model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(),
+            dtype=getattr(torch, want) if want else None)
+        if dtype is not None and (got := str(next(self.model.parameters()).dtype).removeprefix("torch.")) != dtype:
+            raise InputError(f"dtype={dtype} was asked for, but the model passed in computes in {got}: "
+                             f"convert it (model.to(torch.{dtype})) or leave dtype out")
         if self.runtime.invariant:
             invariant_ops.install(self.model)
         self.geometry = geometry(self.model)
@@ -124,6 +140,10 @@ class Memory:
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
                                               f"uses the {ours} ones: open it with "
                                               f"invariant={theirs != invariant_ops.DEFAULT}")
+            if m.kv_dtype != self.geometry.dtype:
+                hint = (f"its blocks were computed in {m.kv_dtype}, this Memory computes in {self.geometry.dtype}: "
+                        f"open it with dtype={m.kv_dtype!r} (--dtype {m.kv_dtype}, KVMEMORY_DTYPE)"
+                        + (f"; {hint}" if hint else ""))
             raise ModelMismatchError(m.fingerprint, want, self.location, hint)
         return store
 

@@ -80,7 +80,8 @@ def load_model(spec=None, *, tokenizer=None, cache_dir: Path, dtype=None):
 
     spec: None (the default model), a local model directory (str or Path), a loaded
     transformers model (then `tokenizer` is required), or a (model, tokenizer) tuple.
-    dtype: torch dtype for loading from disk (default float32; bf16 is 4x slower on CPUs).
+    dtype: torch dtype for loading from disk (default float32; bfloat16 is faster where the CPU has
+    AVX-512 BF16 or AMX, slower where it has neither).
     """
     import torch
 

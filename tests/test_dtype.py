@@ -1,0 +1,110 @@
+"""A model computing in bfloat16 (Memory(dtype=...), --dtype, KVMEMORY_DTYPE): its stores hold
+bfloat16 KV (half the bytes), the exactness contract holds against the bfloat16 computation, a
+store opens only in its own dtype, and bad input is a typed error that loses nothing stored."""
+
+import json
+
+import pytest
+import torch
+
+import kvmemory
+from kvmemory.errors import InputError, ModelMismatchError
+from tests.test_cli import _one_line_error, run
+from tests.test_exactness import _fresh_prefill
+
+
+@pytest.mark.real_model
+def test_bfloat16_states_restore_bit_exact_against_the_bfloat16_computation(tmp_path, cache_dir, rng):
+    """E3 in bfloat16 with the real model: a restored state + a suffix gives the logits of a clean
+    block-aligned bfloat16 prefill of the same tokens, bit for bit (KL 0), after a reopen (every
+    byte from disk); the store's KV takes half the bytes of the float32 model's."""
+    path = tmp_path / "bf16.kvm"
+    samples = []
+    with kvmemory.Memory(path, dtype=torch.bfloat16, cache_dir=cache_dir) as mem:
+        C = mem.block_tokens
+        assert mem.kv_dtype == torch.bfloat16 and next(mem.model.parameters()).dtype == torch.bfloat16
+        for n in (1, C - 1, C, C + 1, rng.randint(2, 3 * C)):
+            ids = [rng.randrange(49152) for _ in range(n)]
+            samples.append((ids, [rng.randrange(49152) for _ in range(rng.randrange(1, 9))], mem.save(ids).id))
+        per_token = mem.geometry.bytes_per_token
+    with kvmemory.Memory(path, dtype="bfloat16", cache_dir=cache_dir) as mem:
+        model = mem.model
+        info = mem.info()
+        assert info["kv_dtype"] == "bfloat16"
+        for ids, suffix, sid in samples:
+            st = mem.load(sid)
+            assert st.token_ids == ids
+            with torch.inference_mode():
+                s = torch.tensor([suffix])
+                graft = model(input_ids=s, past_key_values=st.cache()).logits[0]
+                fresh = model(input_ids=s, past_key_values=_fresh_prefill(model, ids, C)).logits[0]
+            assert graft.dtype == torch.bfloat16 and torch.equal(graft, fresh), (len(ids), (graft - fresh).abs().max())
+        assert mem.verify(recompute=True) == []                    # E2: every block recomputes to its bytes
+    with kvmemory.Memory(tmp_path / "f32.kvm", cache_dir=cache_dir) as f32:
+        assert f32.geometry.bytes_per_token == 2 * per_token
+
+
+def test_a_store_opens_only_in_its_dtype_and_bad_dtypes_are_typed_errors(tmp_path, tiny_dir, tiny, monkeypatch):
+    path = tmp_path / "s.kvm"
+    text = "The ferry leaves the pier at dawn and the keeper rings the bell. " * 20
+    with kvmemory.Memory(path, model=tiny_dir, dtype="bfloat16") as mem:
+        sid = mem.save(text).id
+        ids = mem.load(sid).token_ids
+        kv = torch.stack([torch.stack([layer.keys, layer.values]) for layer in mem.load(sid).cache().layers])
+    assert kv.dtype == torch.bfloat16
+    with pytest.raises(ModelMismatchError, match="dtype='bfloat16'"):
+        kvmemory.Memory(path, model=tiny_dir)                      # float32 by default: not this store's blocks
+    with pytest.raises(InputError, match="dtype must be one of"):
+        kvmemory.Memory(path, model=tiny_dir, dtype="int8")
+    with pytest.raises(InputError, match="dtype must be a torch dtype"):
+        kvmemory.Memory(path, model=tiny_dir, dtype=16)
+    with pytest.raises(InputError, match="computes in float32"):   # a loaded model keeps its own dtype
+        kvmemory.Memory(path, model=tiny, dtype="bfloat16")
+    monkeypatch.setenv("KVMEMORY_DTYPE", "half-ish")
+    with pytest.raises(InputError, match="KVMEMORY_DTYPE"):
+        kvmemory.Memory(path, model=tiny_dir)
+    monkeypatch.setenv("KVMEMORY_DTYPE", "bfloat16")               # the environment's dtype opens it
+    with kvmemory.Memory(path, model=tiny_dir) as mem:
+        st = mem.load(sid)                                          # nothing lost, every byte verified
+        assert st.token_ids == ids
+        again = torch.stack([torch.stack([layer.keys, layer.values]) for layer in st.cache().layers])
+        assert torch.equal(again, kv)
+        assert mem.verify(recompute=True) == []
+
+
+def test_the_cli_creates_a_bfloat16_store_and_opens_it_in_its_dtype(tmp_path, tiny_dir):
+    store = tmp_path / "cli.kvm"
+    text = tmp_path / "p.txt"
+    text.write_text("The harbour master posts the tide tables at noon. " * 25)
+    r = run("save", store, text, "--model", tiny_dir, "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.decode().strip()
+    info = json.loads(run("info", store, "--json").stdout)
+    assert info["kv_dtype"] == "bfloat16"
+    # without --dtype, a command opens the store in its own dtype
+    r = run("generate", store, sid[:12], "And then", "--model", tiny_dir, "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    r = run("verify", store, "--recompute", "--model", tiny_dir)
+    assert r.returncode == 0 and b"E2 recompute" in r.stdout, r.stdout + r.stderr
+    # another dtype asked for: one line saying which opens it
+    assert "--dtype bfloat16" in _one_line_error(run("generate", store, sid[:12], "x", "--model", tiny_dir,
+                                                      "--dtype", "float32"))
+    r = run("save", store, text, "--model", tiny_dir, "--dtype", "int4")
+    assert r.returncode == 2 and b"invalid choice" in r.stderr
+    assert b"--dtype" in run("serve", "--help").stdout
+
+
+@pytest.mark.real_model
+def test_the_real_model_in_bfloat16_answers_like_float32_where_float32_is_sure(tmp_path, cache_dir):
+    """bfloat16 changes the computation (the weights and every product rounded to 8 bits of
+    mantissa): its greedy replies are not float32's token for token. Where the float32 model is
+    sure of its first tokens, the bfloat16 one says the same; the share that differ is measured in
+    benchmarks (bench_serve --batch 8,8h)."""
+    prompts = ["What is the capital of France?", "What is 2 + 2?", "Name the largest planet of the solar system."]
+    replies = {}
+    for dt in ("float32", "bfloat16"):
+        with kvmemory.Memory(tmp_path / f"{dt}.kvm", dtype=dt, cache_dir=cache_dir) as mem:
+            st = mem.save(mem.system_prompt("You are a helpful assistant."))
+            replies[dt] = [mem.generate(st, p, max_new_tokens=8, chat=True) for p in prompts]
+    for a, b in zip(replies["float32"], replies["bfloat16"]):
+        assert a.split()[:3] == b.split()[:3], (a, b)
