@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmemory.device import ids_tensor
-from kvmemory.model.invariant import NAME as INVARIANT
+from kvmemory.model.invariant import NAME as INVARIANT, linear as row_linear
 
 _local = threading.local()
 
@@ -102,21 +102,23 @@ def llama_like(model) -> bool:
     a, l0 = getattr(layers[0], "self_attn", None), layers[0]
     return (a is not None and all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
             and all(hasattr(l0, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
+            and all(hasattr(l0.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
 
 
 LOOP_ALONE = ("sdpa", INVARIANT)   # attentions whose one-sequence forward_many on CPU is the model's forward
 
 
-def step(model, caches: list, tokens: list[int]) -> list[torch.Tensor]:
+def step(model, caches: list, tokens: list[int], rows: tuple | None = None) -> list[torch.Tensor]:
     """One decode step: token i appended to caches[i] (each extended in place, into its reserved
     room where it has one); -> the next logits [vocab] of each. One sequence: the model's own
     forward. A forward_many of one token per sequence."""
-    return [lg[-1] for lg in forward_many(model, caches, [[t] for t in tokens], [1] * len(tokens))]
+    return [lg[-1] for lg in forward_many(model, caches, [[t] for t in tokens], [1] * len(tokens), rows)]
 
 
 @torch.inference_mode()
-def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> list[torch.Tensor]:
+def forward_many(model, caches: list, ids: list[list[int]], keep: list[int],
+                 rows: tuple | None = None) -> list[torch.Tensor]:
     """Several sequences' tokens in one pass over the weights: ids[i] ([T_i] token ids) run after
     caches[i] (each extended in place), as a prefill of each alone would; -> per sequence the
     logits of its last keep[i] positions [keep_i, vocab].
@@ -130,12 +132,20 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
     pick another kernel than given is_causal), or for a model the batched step does not know, the
     model's own forward itself. Several: a sequence's rows may round differently in the last bits than its
     prefill alone (the GEMM's kernel depends on the row count), deterministically for the same
-    inputs; in invariant mode (kvmemory/model/invariant.py) they are its prefill alone, bit for bit."""
+    inputs; in invariant mode (kvmemory/model/invariant.py) they are its prefill alone, bit for bit.
+
+    rows: a row scheme of kvmemory.model.invariant (`row_scheme`): every Linear product of the pass
+    reduces each row the same way whatever the number of rows (few rows padded with zero rows), so
+    a sequence's logits and KV are the same bits in any batch as through this loop alone (its
+    attention runs per sequence either way); not the model's own forward then (a one-row product
+    is padded). With the model's attention, not invariant mode's: a chunked prefill still rounds
+    unlike one pass."""
     if len(caches) != len(ids) or len(ids) != len(keep) or any(not t for t in ids) or any(
             not 1 <= k <= len(t) for k, t in zip(keep, ids)):
         raise ValueError("forward_many: one non-empty token list and 1 <= keep <= its length per cache")
     impl = model.config._attn_implementation
-    if not llama_like(model) or (len(caches) == 1 and (impl not in LOOP_ALONE or model.device.type != "cpu")):
+    if not llama_like(model) or (len(caches) == 1 and rows is None and (impl not in LOOP_ALONE
+                                                                         or model.device.type != "cpu")):
         return [model(input_ids=ids_tensor(t, model), past_key_values=c, use_cache=True,
                       logits_to_keep=k).logits[0] for c, t, k in zip(caches, ids, keep)]
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -154,13 +164,19 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
              for n, T in zip(lens, sizes)]
     R = x.shape[1]
     rooms = [_room(c, n, T) for c, n, T in zip(caches, lens, sizes)]
+    if rows is None:
+        def lin(mod, h):
+            return mod(h)
+    else:                 # every row reduced the same way whatever the number of rows
+        def lin(mod, h):
+            return row_linear(h, mod.weight, mod.bias, rows)
     for i, layer in enumerate(inner.layers):
         a = layer.self_attn
         h = layer.input_layernorm(x)
         shape = (1, R, -1, a.head_dim)
-        q = a.q_proj(h).view(shape).transpose(1, 2)                         # [1, H, R, D]
-        k = a.k_proj(h).view(shape).transpose(1, 2)
-        v = a.v_proj(h).view(shape).transpose(1, 2)
+        q = lin(a.q_proj, h).view(shape).transpose(1, 2)                    # [1, H, R, D]
+        k = lin(a.k_proj, h).view(shape).transpose(1, 2)
+        v = lin(a.v_proj, h).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         outs = []
         for b, c in enumerate(caches):
@@ -176,10 +192,11 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int]) -> 
                 o, _ = attend(a, q[:, :, sl], kb, vb, masks[b], dropout=0.0, scaling=a.scaling)
             outs.append(o)                                                  # [1, T_b, Hq, D]
         o = torch.cat(outs, dim=1).reshape(1, R, -1).contiguous()
-        x = x + a.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    rows = [r for b in range(len(ids)) for r in range(offs[b] + sizes[b] - keep[b], offs[b] + sizes[b])]
-    logits = model.lm_head(inner.norm(x[:, rows]))[0]                       # [sum keep, vocab]
+        x = x + lin(a.o_proj, o)
+        m, h = layer.mlp, layer.post_attention_layernorm(x)                 # LlamaMLP.forward, its ops in order
+        x = x + lin(m.down_proj, m.act_fn(lin(m.gate_proj, h)) * lin(m.up_proj, h))
+    kept = [r for b in range(len(ids)) for r in range(offs[b] + sizes[b] - keep[b], offs[b] + sizes[b])]
+    logits = lin(model.lm_head, inner.norm(x[:, kept]))[0]                  # [sum keep, vocab]
     return list(torch.split(logits, keep))
 
 
@@ -249,10 +266,20 @@ class Batcher:
     a step (the rest wait for a place). `lock` (the Memory's) is held for each step and released by
     a thread while it waits for its sequence."""
 
-    def __init__(self, model, lock, max_batch: int = 8) -> None:
+    def __init__(self, model, lock, max_batch: int = 8, invariant_rows: bool = False) -> None:
+        """invariant_rows: every Linear of a step reduces each row the same way whatever the number
+        of rows (the machine's row scheme, kvmemory.model.invariant.choose; InvariantUnavailableError
+        where it has none, ValueError for a model the batched step does not know), so a sequence
+        decodes the same tokens in any batch as alone through this loop (forward_many's `rows`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.lock, self.max_batch = model, lock, max_batch
+        self.scheme = None
+        if invariant_rows:
+            if not llama_like(model):
+                raise ValueError(f"invariant_rows: the batched step does not know {type(model).__name__}'s layers")
+            from kvmemory.model.invariant import choose
+            self.scheme = choose(model)
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
@@ -331,7 +358,7 @@ class Batcher:
                     # a prompt's last tokens (a list) are that sequence's rows of the same pass
                     out = [lg[-1] for lg in forward_many(self.model, [s.cache for s in active],
                                                          [s.next if isinstance(s.next, list) else [s.next]
-                                                          for s in active], [1] * len(active))]
+                                                          for s in active], [1] * len(active), self.scheme)]
             except BaseException as e:    # noqa: BLE001 -- every sequence of the step learns it
                 for s in active:
                     s.error = e

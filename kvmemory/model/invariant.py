@@ -49,6 +49,11 @@ QUERY_SLAB = 64                  # queries scored at once: speed and memory, not
 # pad quantum (a decode step of one sequence); a longer one runs as it is (tile None) or in
 # products of exactly `tile` rows, the last padded. The BLAS decides which holds on a machine, so
 # `install` uses the first of SCHEMES that `check` finds keeping every row's bits there:
+# - (2, 2, None): bfloat16 on the reference CPU (oneDNN's bf16 GEMM, AVX-512 BF16): a one-row
+#   product whose rows are 1,536 long (the MLP's down projection) rounds ~10% of rows unlike the
+#   same row of any longer product, and every product of 2 or more rows reduces a row the same
+#   way (probed for M = 1..64 at several row offsets on every Linear shape; 2026-12-04). It fails
+#   `check` in float32 (2-row products round apart there), so a float32 model takes the next.
 # - (4, 12, None): the reference CPU (AMD EPYC, MKL sgemm, AVX-512) reduces a row of an [M, K] x
 #   [K, N] product the same way for every M >= 12 and for M = 4 and 8, at one thread and two
 #   (probed for M = 1..620 and 60 random M up to 9,000 on every Linear shape of the default model).
@@ -60,7 +65,8 @@ QUERY_SLAB = 64                  # queries scored at once: speed and memory, not
 # Every scheme `check` accepts gives a row the bits of the same row of a long product at one
 # thread, so which one runs never changes a stored byte; a machine that keeps none raises
 # InvariantUnavailableError, never a silent fallback.
-SCHEMES = ((4, 12, None), (16, 16, 32))
+PAIRS, REFERENCE, TILED = (2, 2, None), (4, 12, None), (16, 16, 32)
+SCHEMES = (PAIRS, REFERENCE, TILED)
 SCHEME_ATTR = "invariant_scheme"  # each module of an installed model holds its scheme (install sets it)
 
 
@@ -68,13 +74,13 @@ class InvariantUnavailableError(ModelLoadError):
     """This machine's kernels do not reduce rows independently of the row count (see `check`)."""
 
 
-def padded_rows(m: int, scheme: tuple = SCHEMES[0]) -> int:
+def padded_rows(m: int, scheme: tuple = REFERENCE) -> int:
     q, full, _ = scheme
     return m if m >= full else -(-m // q) * q
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scheme: tuple = SCHEMES[0]) -> torch.Tensor:
+           scheme: tuple = REFERENCE) -> torch.Tensor:
     """F.linear with every row reduced the same way whatever the number of rows (under a scheme
     `check` accepts on this machine): the rows, padded with zero rows, in products of `step` rows."""
     _, full, tile = scheme
@@ -94,7 +100,7 @@ class InvariantLinear(nn.Linear):
     """nn.Linear through `linear` (installed by swapping a module's class: same parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, getattr(self, SCHEME_ATTR, SCHEMES[0]))
+        return linear(x, self.weight, self.bias, getattr(self, SCHEME_ATTR, REFERENCE))
 
 
 def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, scheme=None, **kwargs):
@@ -114,7 +120,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         raise ValueError("invariant attention computes its causal mask itself; a padded batch is not supported")
     if dropout:
         raise ValueError("invariant attention is for inference: dropout must be 0")
-    scheme = scheme or getattr(module, SCHEME_ATTR, SCHEMES[0])
+    scheme = scheme or getattr(module, SCHEME_ATTR, REFERENCE)
     b, hq, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
     g, n = hq // hkv, b * hkv
@@ -166,25 +172,27 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-def check(model, threads: tuple[int, ...] | None = None, scheme: tuple = SCHEMES[0]) -> None:
+def check(model, threads: tuple[int, ...] | None = None, scheme: tuple = REFERENCE) -> None:
     """On this machine, are the model's products row-invariant under `scheme`? For every Linear
     shape of the model, rows of M-row products (M = 1..13, 16, 17, 31, 33, 64, 255) must equal the
     same rows of one 300-row product, and that product the plain 300-row product at one thread;
     attention over slices of 300 queries the same rows of one pass, and that pass the same at every
-    thread count. Checked at the current thread count and at one thread. Raises
+    thread count. Checked at the current thread count and at one thread, in the model's dtype (a
+    bfloat16 model's products run other kernels than float32's). Raises
     InvariantUnavailableError naming the first that is not."""
     shapes = sorted({tuple(mod.weight.shape) for mod in model.modules() if isinstance(mod, nn.Linear)})
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     n = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
+    dt = next(model.parameters()).dtype
     ms = list(range(1, 14)) + [16, 17, 31, 33, 64, 255]
     try:
         torch.set_num_threads(1)
         probes = []
         for out_f, in_f in shapes:
-            w, x = torch.randn(out_f, in_f, generator=g), torch.randn(300, in_f, generator=g)
+            w, x = torch.randn(out_f, in_f, generator=g).to(dt), torch.randn(300, in_f, generator=g).to(dt)
             probes.append((w, x, F.linear(x, w)))
-        q, k, v = (torch.randn(1, 2, 300, head_dim, generator=g) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, 300, head_dim, generator=g).to(dt) for _ in range(3))
         one_pass = None
         for t in threads or tuple(sorted({n, 1})):
             torch.set_num_threads(t)
@@ -196,10 +204,14 @@ def check(model, threads: tuple[int, ...] | None = None, scheme: tuple = SCHEMES
                         f"this machine's GEMM rounds a [300, {in_f}] x [{in_f}, {out_f}] product at {t} thread(s) "
                         f"unlike the plain product at one thread: invariant mode cannot be used here")
                 for mm in (ms if out_f * in_f < 8 << 20 else ms[:13]):   # the LM head: small products only
-                    if not torch.equal(linear(x[:mm], w, scheme=scheme), full[:mm]):
-                        raise InvariantUnavailableError(
-                            f"this machine's GEMM rounds a [{mm}, {in_f}] x [{in_f}, {out_f}] product's rows unlike "
-                            f"the same rows of a longer one at {t} thread(s): invariant mode cannot be used here")
+                    # a few rows' products at several offsets: a kernel for few rows may round only
+                    # some rows apart (bf16 one-row products: ~10% of rows)
+                    for s in ((0, 97, 211, 300 - mm) if mm <= 16 else (0,)):
+                        if not torch.equal(linear(x[s:s + mm], w, scheme=scheme), full[s:s + mm]):
+                            raise InvariantUnavailableError(
+                                f"this machine's GEMM rounds a [{mm}, {in_f}] x [{in_f}, {out_f}] product's rows "
+                                f"unlike the same rows of a longer one at {t} thread(s): invariant mode cannot be "
+                                "used here")
             full, _ = attention(None, q, k, v, scheme=scheme)
             if one_pass is not None and not torch.equal(full, one_pass):
                 raise InvariantUnavailableError(

@@ -27,6 +27,11 @@ from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 
 DEFAULT_BATCH = 8                                # requests in flight, decoded together (kvmemory.batching)
+# whether batched decoding's rows are reduced alike whatever the batch (create_app's invariant_rows),
+# by the model's dtype, as measured (README, 'bfloat16'; EPYC, 24 greedy replies batched vs alone):
+# bfloat16 8-12 of 24 differ without, 0 with, for ~6% of one client's requests/s (a one-row product
+# padded to two); float32 0 of 24 differ without, and a one-row product padded to four costs ~18%
+DEFAULT_INVARIANT_ROWS = {"bfloat16": True, "float32": False}
 OPEN_PATHS = ("/health",) + WEB_PATHS            # the page holds no data: it asks for the key
 
 
@@ -40,17 +45,25 @@ def _ask_rerank(n) -> int:
 
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
                serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH,
-               ask_rerank: int | None = None) -> FastAPI:
+               ask_rerank: int | None = None, invariant_rows: bool | None = None) -> FastAPI:
     """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
     serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
     serve one store); job_prefix: how job ids start (a replica's rank, for routing); batch: how many
     requests run at once, their decoding batched (1: one at a time, decoded alone); ask_rerank: the
-    re-rank of an ask that does not set one (None: Memory.ask's default)."""
+    re-rank of an ask that does not set one (None: Memory.ask's default); invariant_rows: the
+    batched decoding's Linear products reduce every row the same way whatever the batch, so a
+    greedy reply is the one the request gets served alone (kvmemory.batching.Batcher; None: on
+    for a bfloat16 model, off for float32, DEFAULT_INVARIANT_ROWS; InvariantUnavailableError at
+    start where this machine's kernels allow no row scheme)."""
     from kvmemory import __version__
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
-    c = Context(mem=mem, worker=Worker(queue_size, mem, batch), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
+    if invariant_rows is None:        # invariant mode's rows are invariant already
+        from kvmemory.model import invariant as invariant_ops
+        invariant_rows = not invariant_ops.installed(mem.model) and \
+            DEFAULT_INVARIANT_ROWS.get(str(mem.kv_dtype).removeprefix("torch."), False)
+    c = Context(mem=mem, worker=Worker(queue_size, mem, batch, invariant_rows), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes,
                 ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
     c.chat.pending = lambda: c.worker.pending
@@ -154,13 +167,15 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
-          invariant: bool | None = None, ask_rerank: int | None = None) -> None:
-    """Open (or create) the store and serve it until interrupted (invariant: Memory's)."""
+          invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
+          invariant_rows: bool | None = None) -> None:
+    """Open (or create) the store and serve it until interrupted (invariant, dtype: Memory's;
+    invariant_rows: create_app's)."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
-    mem = Memory(store, model=model, invariant=invariant)
+    mem = Memory(store, model=model, invariant=invariant, dtype=dtype)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
-                           ask_rerank=ask_rerank),
+                           ask_rerank=ask_rerank, invariant_rows=invariant_rows),
                 host=host, port=port, log_level="warning")

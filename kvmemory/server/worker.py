@@ -17,14 +17,14 @@ from kvmemory.server.errors import ApiError
 
 
 class Worker:
-    def __init__(self, queue_size: int, mem=None, batch: int = 1) -> None:
+    def __init__(self, queue_size: int, mem=None, batch: int = 1, invariant_rows: bool = False) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.batcher = None
         init = None
         if batch > 1 and mem is not None:
             from kvmemory.batching import Batcher, serving
-            self.batcher = Batcher(mem.model, mem.exclusive(), max_batch=batch)
+            self.batcher = Batcher(mem.model, mem.exclusive(), max_batch=batch, invariant_rows=invariant_rows)
             init = lambda: serving(self.batcher)        # noqa: E731
         self.pool = ThreadPoolExecutor(max_workers=batch if self.batcher is not None else 1,
                                        thread_name_prefix="kvmemory-model", initializer=init)
