@@ -134,7 +134,7 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int],
     prefill alone (the GEMM's kernel depends on the row count), deterministically for the same
     inputs; in invariant mode (kvmemory/model/invariant.py) they are its prefill alone, bit for bit.
 
-    rows: a row scheme of kvmemory.model.invariant (`row_scheme`): every Linear product of the pass
+    rows: a row scheme of kvmemory.model.invariant (`choose`): every Linear product of the pass
     reduces each row the same way whatever the number of rows (few rows padded with zero rows), so
     a sequence's logits and KV are the same bits in any batch as through this loop alone (its
     attention runs per sequence either way); not the model's own forward then (a one-row product

@@ -446,6 +446,10 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng, mod
     assert (app.state.worker.batcher.scheme is not None) == (mode == "bfloat16")   # the default by dtype
     srv, t, url = _start(app)
     try:
+        import httpx
+        health = httpx.get(url + "/health").json()
+        assert health["dtype"] == str(mem.kv_dtype).removeprefix("torch.")
+        assert health["invariant_rows"] == (mode == "bfloat16")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         reqs = [dict(messages=[{"role": "user", "content": words(rng, rng.randrange(5, 60), f"q{i}")}],
                      max_tokens=rng.randrange(20, 48), temperature=0 if i % 2 == 0 else 0.9,

@@ -108,3 +108,22 @@ def test_the_real_model_in_bfloat16_answers_like_float32_where_float32_is_sure(t
             replies[dt] = [mem.generate(st, p, max_new_tokens=8, chat=True) for p in prompts]
     for a, b in zip(replies["float32"], replies["bfloat16"]):
         assert a.split()[:3] == b.split()[:3], (a, b)
+
+
+def test_a_bfloat16_server_without_a_row_scheme_says_so_and_runs_plain(tmp_path, tiny_dir, monkeypatch, caplog):
+    """create_app's default for bfloat16 is invariant rows; on a machine whose kernels allow no row
+    scheme it logs that replies may differ and batches plainly; asked for explicitly, it refuses."""
+    from kvmemory.model import invariant as inv
+    from kvmemory.server import create_app
+
+    def none_here(model, threads=None):
+        raise inv.InvariantUnavailableError("no scheme on this (simulated) machine")
+    with kvmemory.Memory(tmp_path / "s.kvm", model=tiny_dir, dtype="bfloat16") as mem:
+        assert create_app(mem, batch=4).state.worker.batcher.scheme is not None
+        monkeypatch.setattr(inv, "choose", none_here)
+        with caplog.at_level("WARNING", logger="kvmemory.server"):
+            app = create_app(mem, batch=4)
+        assert app.state.worker.batcher.scheme is None and "without invariant rows" in caplog.text
+        with pytest.raises(inv.InvariantUnavailableError):
+            create_app(mem, batch=4, invariant_rows=True)
+        assert create_app(mem, batch=4, invariant_rows=False).state.worker.batcher.scheme is None

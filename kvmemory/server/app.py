@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +26,8 @@ from kvmemory.server.routes.web import OPEN as WEB_PATHS
 from kvmemory.server.schemas import ErrorResponse
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
+
+log = logging.getLogger("kvmemory.server")
 
 DEFAULT_BATCH = 8                                # requests in flight, decoded together (kvmemory.batching)
 # whether batched decoding's rows are reduced alike whatever the batch (create_app's invariant_rows),
@@ -59,11 +62,20 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
-    if invariant_rows is None:        # invariant mode's rows are invariant already
-        from kvmemory.model import invariant as invariant_ops
-        invariant_rows = not invariant_ops.installed(mem.model) and \
-            DEFAULT_INVARIANT_ROWS.get(str(mem.kv_dtype).removeprefix("torch."), False)
-    c = Context(mem=mem, worker=Worker(queue_size, mem, batch, invariant_rows), chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
+    from kvmemory.model import invariant as invariant_ops
+    if invariant_rows is not None:
+        worker = Worker(queue_size, mem, batch, invariant_rows)
+    elif not invariant_ops.installed(mem.model) and \
+            DEFAULT_INVARIANT_ROWS.get(str(mem.kv_dtype).removeprefix("torch."), False):
+        try:                          # the dtype's default: where this machine has no row scheme, said and off
+            worker = Worker(queue_size, mem, batch, True)
+        except invariant_ops.InvariantUnavailableError as e:
+            log.warning("batched decoding runs without invariant rows (a greedy reply may differ from the "
+                        "same request served alone): %s", e)
+            worker = Worker(queue_size, mem, batch, False)
+    else:                             # float32, or invariant mode (whose rows are invariant already)
+        worker = Worker(queue_size, mem, batch, False)
+    c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes,
                 ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
     c.chat.pending = lambda: c.worker.pending

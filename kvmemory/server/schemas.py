@@ -205,6 +205,8 @@ class Health(BaseModel):
     status: Literal["ok"]
     model: str
     queue: int
+    dtype: str = "float32"             # what the model computes in (a store of it holds KV of this dtype)
+    invariant_rows: bool = False       # batched decoding reduces rows alike whatever the batch (serve --invariant-rows)
 
 
 # ---------------------------------------------------------------------- documents and jobs

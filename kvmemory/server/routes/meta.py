@@ -10,7 +10,10 @@ router = APIRouter()
 
 @router.get("/health", response_model=Health)
 async def health(c: Context = Depends(ctx)):
-    return Health(status="ok", model=c.model_id, queue=c.worker.pending)
+    b = c.worker.batcher
+    return Health(status="ok", model=c.model_id, queue=c.worker.pending,
+                  dtype=str(c.mem.kv_dtype).removeprefix("torch."),
+                  invariant_rows=b is not None and b.scheme is not None)
 
 
 @router.get("/v1/models", response_model=ModelList)
