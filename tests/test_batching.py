@@ -260,11 +260,7 @@ def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny,
             k = tails[i]
             out[i] = greedy(model, c, None, lengths[i], {0}, feed=prompts[i][-k:] if k > 1 else prompts[i][-1],
                             first=firsts[i])
-        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=120)
+        _each_in_a_thread(len(prompts), run, timeout=120)
         assert b.widest > 1 and b.rows > b.steps
         assert [len(o) for o in out] == [len(a) for a in alone]
         assert all(len(f) == 1 for f in firsts)             # the logits each first token came from
@@ -280,6 +276,15 @@ def test_a_fed_prompt_tail_of_several_tokens_decodes_in_the_batch_as_alone(tiny,
                 torch.testing.assert_close(f[0], a[0], rtol=1e-4, atol=1e-4)
     finally:
         b.close()
+
+
+def _each_in_a_thread(n: int, fn, timeout: float = 300) -> None:
+    """fn(0) .. fn(n - 1), each on a thread of its own, all started before any is joined."""
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=timeout)
 
 
 def _run_threads(batcher, jobs):
@@ -894,11 +899,7 @@ def test_the_real_model_in_bfloat16_decodes_every_greedy_reply_batched_as_alone(
             time.sleep(delays[i])
             out[i] = greedy(model, kvops.make_cache(None, model.config), None, 24, {tok.eos_token_id},
                             feed=prompts[i])
-        ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(timeout=300)
+        _each_in_a_thread(len(prompts), run)
         return out
     alone_b = Batcher(model, threading.RLock(), max_batch=1, invariant_rows=True)
     many_b = Batcher(model, threading.RLock(), max_batch=8, invariant_rows=True)

@@ -50,13 +50,19 @@ def test_runtime_errors_exit_1_with_one_line(tmp_path):
     assert "is a file" in _one_line_error(run("verify", f))
 
 
+def saved(store, text, words: str, *args) -> str:
+    """`kvmemory save STORE TEXT ARGS...` of `words` written to the file `text`: the state id."""
+    text.write_text(words)
+    r = run("save", store, text, *args)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.decode().strip()
+
+
 def test_save_generate_info_verify_round_trip(tmp_path, tiny_dir):
     store = tmp_path / "cli.kvm"
     text = tmp_path / "prompt.txt"
-    text.write_text("The lighthouse keeper wrote in the log every night. " * 30)
-    r = run("save", store, text, "--model", tiny_dir, "--label", "lighthouse")
-    assert r.returncode == 0, r.stderr
-    sid = r.stdout.decode().strip()
+    sid = saved(store, text, "The lighthouse keeper wrote in the log every night. " * 30, "--model", tiny_dir,
+                "--label", "lighthouse")
     assert len(sid) == 32
     r2 = run("save", store, "-", "--model", tiny_dir, stdin=text.read_bytes())
     assert r2.stdout.decode().strip() == sid                 # same text, same content address

@@ -9,7 +9,7 @@ import torch
 
 import kvmemory
 from kvmemory.errors import InputError, ModelMismatchError
-from tests.test_cli import _one_line_error, run
+from tests.test_cli import _one_line_error, run, saved
 from tests.test_exactness import _fresh_prefill
 
 
@@ -75,10 +75,8 @@ def test_a_store_opens_only_in_its_dtype_and_bad_dtypes_are_typed_errors(tmp_pat
 def test_the_cli_creates_a_bfloat16_store_and_opens_it_in_its_dtype(tmp_path, tiny_dir):
     store = tmp_path / "cli.kvm"
     text = tmp_path / "p.txt"
-    text.write_text("The harbour master posts the tide tables at noon. " * 25)
-    r = run("save", store, text, "--model", tiny_dir, "--dtype", "bfloat16")
-    assert r.returncode == 0, r.stderr
-    sid = r.stdout.decode().strip()
+    sid = saved(store, text, "The harbour master posts the tide tables at noon. " * 25, "--model", tiny_dir,
+                "--dtype", "bfloat16")
     info = json.loads(run("info", store, "--json").stdout)
     assert info["kv_dtype"] == "bfloat16"
     # without --dtype, a command opens the store in its own dtype
