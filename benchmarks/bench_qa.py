@@ -155,7 +155,8 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
         # a kept deposit is reused when it was made of the same text by the same code (the seed,
         # the size and the questions decide the text)
         key = hashlib.sha256(text.encode() + code_digest()).hexdigest()[:16]
-        path = Path(args.keep) / f"qa-{size}-{doc_no}-{key}" f"{'' if args.dtype == 'float32' else '-' + args.dtype}.kvm"
+        dt = "" if args.dtype == "float32" else f"-{args.dtype}"
+        path = Path(args.keep) / f"qa-{size}-{doc_no}-{key}{dt}.kvm"
     else:
         path = work / f"qa-{size}-{doc_no}.kvm"
     mem = kvmemory.Memory(path, model=model)

@@ -109,7 +109,7 @@ class Memory:
         self.model, self.tokenizer, self.model_name = load_model(
             model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(),
             dtype=getattr(torch, want) if want else None)
-        if dtype is not None and (got := str(next(self.model.parameters()).dtype).removeprefix("torch.")) != dtype:
+        if dtype is not None and (got := geometry(self.model).dtype) != dtype:
             raise InputError(f"dtype={dtype} was asked for, but the model passed in computes in {got}: "
                              f"convert it (model.to(torch.{dtype})) or leave dtype out")
         if self.runtime.invariant:

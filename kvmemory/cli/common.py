@@ -21,7 +21,8 @@ EPILOG = ("STORE is a directory or s3://bucket/prefix on any S3-compatible servi
 
 CREATES = "store directory or s3://bucket/prefix (created if missing)"
 
-__all__ = ["CREATES", "EPILOG", "KVMemoryError", "model_arg", "open_memory", "positive_int", "progress", "store_dtype"]
+__all__ = ["CREATES", "EPILOG", "KVMemoryError", "model_arg", "open_memory", "positive_int", "progress", "store_dtype",
+           "store_header"]
 
 
 def model_arg(sp) -> None:
@@ -54,17 +55,23 @@ def progress(total: int, desc: str, unit: str = "block"):
     return tqdm(total=total, desc=desc, unit=unit, disable=not sys.stderr.isatty())
 
 
+def store_header(store):
+    """The header of an existing store at `store` (its Manifest), or None where there is none yet."""
+    from kvmemory.store.location import locate
+    from kvmemory.store.log import read_manifest
+    loc = locate(store, must_exist=False)
+    return read_manifest(loc.files) if loc.exists else None
+
+
 def store_dtype(args) -> str | None:
     """The dtype to open args.store in: --dtype, else KVMEMORY_DTYPE, else the dtype an existing
     store's blocks were computed in (its header), else None (Memory's default)."""
     import os
 
-    from kvmemory.store.location import locate
-    from kvmemory.store.log import read_manifest
     if getattr(args, "dtype", None) or os.environ.get("KVMEMORY_DTYPE"):
         return getattr(args, "dtype", None)
-    loc = locate(args.store, must_exist=False)
-    return read_manifest(loc.files).kv_dtype if loc.exists else None
+    header = store_header(args.store)
+    return header.kv_dtype if header is not None else None
 
 
 def open_memory(args, read_only=False, create=False, **kw):

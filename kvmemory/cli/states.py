@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvmemory.cli.common import CREATES, KVMemoryError, open_memory, positive_int, progress
+from kvmemory.cli.common import CREATES, KVMemoryError, open_memory, positive_int, progress, store_header
 
 
 def register(add) -> None:
@@ -127,11 +127,9 @@ def cmd_info(args) -> int:
 
 def _store_mode(args) -> None:
     """Recompute with the kernels that computed the store's blocks (its header says which)."""
-    from kvmemory.store.location import locate
-    from kvmemory.store.log import read_manifest
-    loc = locate(args.store, must_exist=False)
-    if loc.exists and not args.invariant:
-        args.invariant = read_manifest(loc.files).model.get("kernels", "default") != "default" or None
+    header = None if args.invariant else store_header(args.store)
+    if header is not None:
+        args.invariant = header.model.get("kernels", "default") != "default" or None
 
 
 def cmd_audit(args) -> int:

@@ -56,24 +56,25 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     re-rank of an ask that does not set one (None: Memory.ask's default); invariant_rows: the
     batched decoding's Linear products reduce every row the same way whatever the batch, so a
     greedy reply is the one the request gets served alone (kvmemory.batching.Batcher; None: on
-    for a bfloat16 model, off for float32, DEFAULT_INVARIANT_ROWS; InvariantUnavailableError at
-    start where this machine's kernels allow no row scheme)."""
+    for a bfloat16 model, off for float32, DEFAULT_INVARIANT_ROWS; where this machine's kernels
+    allow no row scheme, True raises InvariantUnavailableError and the default logs it and runs
+    without)."""
     from kvmemory import __version__
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
     from kvmemory.model import invariant as invariant_ops
-    if invariant_rows is not None:
+    default = invariant_rows is None  # by dtype; invariant mode's rows are invariant already
+    if default:
+        invariant_rows = not invariant_ops.installed(mem.model) and \
+            DEFAULT_INVARIANT_ROWS.get(mem.geometry.dtype, False)
+    try:
         worker = Worker(queue_size, mem, batch, invariant_rows)
-    elif not invariant_ops.installed(mem.model) and \
-            DEFAULT_INVARIANT_ROWS.get(str(mem.kv_dtype).removeprefix("torch."), False):
-        try:                          # the dtype's default: where this machine has no row scheme, said and off
-            worker = Worker(queue_size, mem, batch, True)
-        except invariant_ops.InvariantUnavailableError as e:
-            log.warning("batched decoding runs without invariant rows (a greedy reply may differ from the "
-                        "same request served alone): %s", e)
-            worker = Worker(queue_size, mem, batch, False)
-    else:                             # float32, or invariant mode (whose rows are invariant already)
+    except invariant_ops.InvariantUnavailableError as e:
+        if not default:               # asked for: refused; the dtype's default: said, and off
+            raise
+        log.warning("batched decoding runs without invariant rows (a greedy reply may differ from the "
+                    "same request served alone): %s", e)
         worker = Worker(queue_size, mem, batch, False)
     c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes,
