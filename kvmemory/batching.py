@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmemory.device import ids_tensor
+from kvmemory.model import half
+from kvmemory.model.half import NAME as HALF
 from kvmemory.model.invariant import NAME as INVARIANT, linear as row_linear
 
 _local = threading.local()
@@ -106,7 +108,7 @@ def llama_like(model) -> bool:
             and not hasattr(a, "q_norm") and not getattr(model.config, "sliding_window", None))
 
 
-LOOP_ALONE = ("sdpa", INVARIANT)   # attentions whose one-sequence forward_many on CPU is the model's forward
+LOOP_ALONE = ("sdpa", HALF, INVARIANT)   # attentions whose one-sequence forward_many on CPU is the model's forward
 
 
 def step(model, caches: list, tokens: list[int], rows: tuple | None = None) -> list[torch.Tensor]:
@@ -188,6 +190,8 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int],
             if impl == "sdpa":          # the heads shared in the kernel: no copy of the keys per query head
                 o = F.scaled_dot_product_attention(q[:, :, sl], kb, vb, attn_mask=masks[b], scale=a.scaling,
                                                    enable_gqa=True).transpose(1, 2)
+            elif impl == HALF:          # a half-precision model's, in float32 (kvmemory/model/half.py)
+                o = half.sdpa(q[:, :, sl], kb, vb, masks[b], a.scaling)
             else:
                 o, _ = attend(a, q[:, :, sl], kb, vb, masks[b], dropout=0.0, scaling=a.scaling)
             outs.append(o)                                                  # [1, T_b, Hq, D]

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemory.model import half
+
 
 @dataclass(frozen=True)
 class BlendStats:
@@ -109,7 +111,7 @@ def blend_prefill(model, ctx_kv: torch.Tensor, ctx_ids: list[int], q_ids: list[i
     # the tokens in flight sit at scattered positions: attention must honour the mask, which
     # transformers' SDPA path does and a decode kernel registered for plain steps may not
     prev_attn = model.config._attn_implementation
-    if prev_attn not in ("sdpa", "eager"):
+    if prev_attn not in ("sdpa", "eager", half.NAME):
         model.set_attn_implementation("sdpa")
     try:
         h = inner.embed_tokens(ids[pos].unsqueeze(0))                  # [1, n, hidden]

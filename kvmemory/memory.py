@@ -23,7 +23,7 @@ from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, ModelMismatchError, StoreError
 from kvmemory.model import fingerprint, geometry, load_model
 from kvmemory.model.fingerprint import with_prefill
-from kvmemory.model import invariant as invariant_ops
+from kvmemory.model import half, invariant as invariant_ops
 from kvmemory.states import State, StateInfo, States
 from kvmemory.store import BlockStore
 from kvmemory.store.info import describe
@@ -114,6 +114,8 @@ class Memory:
                              f"convert it (model.to(torch.{dtype})) or leave dtype out")
         if self.runtime.invariant:
             invariant_ops.install(self.model)
+        else:
+            half.install(self.model)      # a bf16/fp16 model on CPU: its attention in float32 (fast, exact)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
         self.store = self._open_store(loc, read_only, store_config) if loc.exists else \
@@ -140,6 +142,13 @@ class Memory:
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
                                               f"uses the {ours} ones: open it with "
                                               f"invariant={theirs != invariant_ops.DEFAULT}")
+            theirs_att, ours_att = m.model.get("attention"), half.MODE if half.installed(self.model) else None
+            if m.kv_dtype == self.geometry.dtype and theirs == ours and theirs_att != ours_att:
+                hint = (f"its blocks were computed with {'float32' if theirs_att else m.kv_dtype} attention, this "
+                        f"Memory computes with {'float32' if ours_att else m.kv_dtype} attention (kvmemory.model.half)"
+                        + ("; a half-precision store made before kvmemory computed attention in float32 on CPU "
+                           "(2026-12-04) holds other bytes: deposit its documents into a new store"
+                           if theirs_att is None else ""))
             if m.kv_dtype != self.geometry.dtype:
                 hint = (f"its blocks were computed in {m.kv_dtype}, this Memory computes in {self.geometry.dtype}: "
                         f"open it with dtype={m.kv_dtype!r} (--dtype {m.kv_dtype}, KVMEMORY_DTYPE)"
@@ -157,7 +166,8 @@ class Memory:
             shard_blocks=cfg.shard_blocks, codec=cfg.codec, kv_dtype=g.dtype, prefill_tokens=q,
             model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
                    "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
-                   **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {})})
+                   **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {}),
+                   **({"attention": half.MODE} if half.installed(self.model) else {})})
         if loc.remote:
             return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
                                             cache_bytes=self.runtime.store_cache_bytes)

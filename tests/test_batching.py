@@ -28,16 +28,20 @@ def _prompts(rng, n, lo=3, hi=40, vocab=2000):
 
 
 def in_mode(model, mode: str):
-    """The model as `mode` computes: default (itself), bfloat16 (a bf16 copy), invariant or
-    invariant-bfloat16 (a copy in invariant mode; skipped where this machine's kernels cannot be)."""
+    """The model as `mode` computes: default (itself), bfloat16 (a bf16 copy with its float32
+    attention, as Memory installs it), invariant or invariant-bfloat16 (a copy in invariant mode;
+    skipped where this machine's kernels cannot be)."""
     import copy
 
-    from kvmemory.model import invariant as inv
+    from kvmemory.model import half, invariant as inv
     if mode == "default":
         return model
     model = copy.deepcopy(model)
     if "bfloat16" in mode:
         model = model.to(torch.bfloat16)
+    if mode == "bfloat16":
+        half.install(model)
+        assert half.installed(model)
     if "invariant" in mode:
         try:
             inv.install(model)

@@ -72,6 +72,68 @@ def test_a_store_opens_only_in_its_dtype_and_bad_dtypes_are_typed_errors(tmp_pat
         assert mem.verify(recompute=True) == []
 
 
+def test_a_bfloat16_model_on_cpu_computes_attention_in_float32(tmp_path, tiny_dir, tiny, rng, monkeypatch):
+    """kvmemory/model/half.py: a bf16 Memory's model attends through the float32 kernel (the bf16
+    one is 4-10x slower for a decode step's one query on CPU): its output is the float32 kernel's
+    on the same numbers, rounded once to bf16, for a decode step and for a causal chunk, through
+    the model and through forward_many's loop. It is in the fingerprint and the header: a bf16
+    store made with bf16 attention (before 2026-12-04) does not open, the error says why, and
+    nothing in it is lost (it opens and verifies with the attention that made it)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from kvmemory import kv as kvops
+    from kvmemory.batching import forward_many
+    from kvmemory.model import half
+    path = tmp_path / "s.kvm"
+    with kvmemory.Memory(path, model=tiny_dir, dtype="bfloat16") as mem:
+        model = mem.model
+        assert half.installed(model) and mem.info()["attention"] == "float32"
+        sid = mem.save([rng.randrange(5, 2000) for _ in range(rng.randrange(300, 600))]).id
+    attn = model.model.layers[0].self_attn
+    for T, L in ((1, rng.randrange(2, 700)), (rng.randrange(2, 300), rng.randrange(300, 700))):
+        q, k, v = (torch.randn(1, h, n, 16).to(torch.bfloat16) for h, n in ((4, T), (2, L), (2, L)))
+        mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)[None, None]
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.25,
+                                              enable_gqa=True).transpose(1, 2).to(torch.bfloat16)
+        got, _ = half.attention(attn, q, k, v, mask, scaling=0.25)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert torch.equal(half.sdpa(q, k, v, mask, 0.25), want)
+    with torch.inference_mode():         # the model's forward (its masks) = forward_many's loop (causal masks of its own)
+        c1, c2 = kvops.make_cache(None, model.config), kvops.make_cache(None, model.config)
+        for ids in ([rng.randrange(5, 2000) for _ in range(rng.randrange(20, 200))],     # a prefill
+                    [rng.randrange(5, 2000) for _ in range(rng.randrange(2, 100))],      # a chunk after it
+                    [7]):                                                                # a decode step
+            a = model(input_ids=torch.tensor([ids]), past_key_values=c1, use_cache=True).logits[0]
+            assert torch.equal(a, forward_many(model, [c2], [ids], [len(ids)])[0])
+    f32 = copy.deepcopy(tiny[0])                      # and it is the float32 model's attention on the same numbers:
+    with torch.inference_mode():                      # a chunked prefill lands near the float32 one (no mask lost)
+        ids = [rng.randrange(5, 2000) for _ in range(300)]
+        cb, cf = kvops.make_cache(None, model.config), kvops.make_cache(None, f32.config)
+        for lo, hi in ((0, 100), (100, 300)):
+            lb = model(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=cb, use_cache=True).logits[0].float()
+            lf = f32(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=cf, use_cache=True).logits[0]
+        assert float((lb - lf).norm() / lf.norm()) < 0.05
+    # a store made with bf16 attention: another computation, refused with the reason
+    old = tmp_path / "old.kvm"
+    with monkeypatch.context() as m:
+        m.setattr(half, "wanted", lambda model: False)
+        with kvmemory.Memory(old, model=tiny_dir, dtype="bfloat16") as mem:
+            assert not half.installed(mem.model) and mem.info()["attention"] == "bfloat16"
+            oid = mem.save("The keeper lights the lamp at dusk. " * 12).id
+    with pytest.raises(ModelMismatchError, match="bfloat16 attention.*float32 attention.*new store"):
+        kvmemory.Memory(old, model=tiny_dir, dtype="bfloat16")
+    with monkeypatch.context() as m:
+        m.setattr(half, "wanted", lambda model: False)
+        with kvmemory.Memory(old, model=tiny_dir, dtype="bfloat16") as mem:
+            assert mem.load(oid).n_tokens > 0 and mem.verify(recompute=True) == []
+    with kvmemory.Memory(path, model=tiny_dir, dtype="bfloat16") as mem:   # and the new one reopens
+        assert mem.load(sid).n_tokens > 0 and mem.verify(recompute=True) == []
+    with kvmemory.Memory(tmp_path / "f.kvm", model=tiny_dir) as mem:       # float32: its own attention
+        assert not half.installed(mem.model) and mem.info()["attention"] == "float32"
+
+
 def test_the_cli_creates_a_bfloat16_store_and_opens_it_in_its_dtype(tmp_path, tiny_dir):
     store = tmp_path / "cli.kvm"
     text = tmp_path / "p.txt"

@@ -60,15 +60,18 @@ def geometry(model) -> KVGeometry:
 
 def fingerprint(model) -> str:
     """'kvm1-' + 32 hex digits naming (config, weights' bytes, dtype, RoPE, KV layout version, and
-    the kernels where they are not the default: invariant mode computes other bytes)."""
+    the kernels where they are not the default: invariant mode computes other bytes, and so does a
+    half-precision model's float32 attention, kvmemory/model/half.py)."""
     import torch
 
-    from kvmemory.model import invariant
+    from kvmemory.model import half, invariant
     geo = geometry(model)
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE}
     named = {"config": cfg, "dtype": geo.dtype, "rope": geo.rope, "layout": KV_LAYOUT_VERSION}
     if invariant.installed(model):
         named["kernels"] = invariant.kernels(model)   # (absent for the default: their stores keep their fingerprints)
+    if half.installed(model):
+        named["attention"] = half.MODE
     h = xxhash.xxh3_128()
     h.update(json.dumps(named, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmemory.errors import ModelLoadError
+from kvmemory.model.half import set_attention
 
 NAME = "kvmemory_invariant"
 MODE = "invariant-v1"            # recorded in the fingerprint and the store's header
@@ -257,11 +258,7 @@ def install(model) -> None:
     for mod in model.modules():
         if type(mod) is nn.Linear:
             mod.__class__ = InvariantLinear
-    model.config._attn_implementation = NAME
-    for mod in model.modules():                    # the layers read it from their own config object
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and cfg is not model.config:
-            cfg._attn_implementation = NAME
+    set_attention(model, NAME)
 
 
 def installed(model) -> bool:
