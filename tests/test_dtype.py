@@ -140,7 +140,8 @@ def test_the_cli_creates_a_bfloat16_store_and_opens_it_in_its_dtype(tmp_path, ti
     sid = saved(store, text, "The harbour master posts the tide tables at noon. " * 25, "--model", tiny_dir,
                 "--dtype", "bfloat16")
     info = json.loads(run("info", store, "--json").stdout)
-    assert info["kv_dtype"] == "bfloat16"
+    assert info["kv_dtype"] == "bfloat16" and info["attention"] == "float32"   # kvmemory/model/half.py
+    assert b"attention          float32" in run("info", store).stdout
     # without --dtype, a command opens the store in its own dtype
     r = run("generate", store, sid[:12], "And then", "--model", tiny_dir, "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
