@@ -180,6 +180,8 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int],
         k = lin(a.k_proj, h).view(shape).transpose(1, 2)
         v = lin(a.v_proj, h).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if impl == HALF:                # every sequence's queries in float32 at once (exact: the same numbers)
+            q32 = q.float()
         outs = []
         for b, c in enumerate(caches):
             sl = slice(offs[b], offs[b] + sizes[b])
@@ -191,11 +193,12 @@ def forward_many(model, caches: list, ids: list[list[int]], keep: list[int],
                 o = F.scaled_dot_product_attention(q[:, :, sl], kb, vb, attn_mask=masks[b], scale=a.scaling,
                                                    enable_gqa=True).transpose(1, 2)
             elif impl == HALF:          # a half-precision model's, in float32 (kvmemory/model/half.py)
-                o = half.sdpa(q[:, :, sl], kb, vb, masks[b], a.scaling)
+                o = half.sdpa32(q32[:, :, sl], kb, vb, masks[b], a.scaling)
             else:
                 o, _ = attend(a, q[:, :, sl], kb, vb, masks[b], dropout=0.0, scaling=a.scaling)
             outs.append(o)                                                  # [1, T_b, Hq, D]
-        o = torch.cat(outs, dim=1).reshape(1, R, -1).contiguous()
+        o = torch.cat(outs, dim=1).reshape(1, R, -1)
+        o = o.to(x.dtype) if impl == HALF else o.contiguous()                # (to() rounds each number alone)
         x = x + lin(a.o_proj, o)
         m, h = layer.mlp, layer.post_attention_layernorm(x)                 # LlamaMLP.forward, its ops in order
         x = x + lin(m.down_proj, m.act_fn(lin(m.gate_proj, h)) * lin(m.up_proj, h))
