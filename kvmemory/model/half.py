@@ -38,15 +38,10 @@ def attention(module, query, key, value, attention_mask=None, **kwargs):
     return out.to(query.dtype), weights
 
 
-def sdpa(query, key, value, mask, scale: float) -> torch.Tensor:
-    """The same computation for forward_many's loop (kvmemory/batching.py): query [1, Hq, T, D],
-    key/value [1, Hkv, L, D] (heads shared in the kernel); -> [1, T, Hq, D] in the query's dtype."""
-    return sdpa32(query.float(), key, value, mask, scale).to(query.dtype)
-
-
 def sdpa32(query32, key, value, mask, scale: float) -> torch.Tensor:
-    """`sdpa` for a query already in float32 (forward_many converts a step's queries at once),
-    before the rounding to the model's dtype: -> [1, T, Hq, D] in float32."""
+    """The same computation for forward_many's loop (kvmemory/batching.py), which converts a
+    step's queries to float32 at once and rounds the output once: query32 [1, Hq, T, D] (float32),
+    key/value [1, Hkv, L, D] (heads shared in the kernel); -> [1, T, Hq, D] in float32."""
     out = torch.nn.functional.scaled_dot_product_attention(query32, key.float(), value.float(),
                                                            attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
