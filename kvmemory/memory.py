@@ -142,7 +142,7 @@ class Memory:
             hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
                                               f"uses the {ours} ones: open it with "
                                               f"invariant={theirs != invariant_ops.DEFAULT}")
-            theirs_att, ours_att = m.model.get("attention"), half.MODE if half.installed(self.model) else None
+            theirs_att, ours_att = m.model.get("attention"), half.mode(self.model)
             if m.kv_dtype == self.geometry.dtype and theirs == ours and theirs_att != ours_att:
                 hint = (f"its blocks were computed with {'float32' if theirs_att else m.kv_dtype} attention, this "
                         f"Memory computes with {'float32' if ours_att else m.kv_dtype} attention (kvmemory.model.half)"
@@ -159,7 +159,7 @@ class Memory:
     def _create_store(self, loc, store_config) -> BlockStore:
         cfg = store_config or from_env(StoreConfig)
         g = self.geometry
-        kernels = invariant_ops.kernels(self.model)
+        kernels, attention = invariant_ops.kernels(self.model), half.mode(self.model)
         q = 0 if cfg.prefill_tokens == cfg.block_tokens else cfg.prefill_tokens
         manifest = Manifest(
             fingerprint=with_prefill(self.fingerprint, q, cfg.block_tokens), block_tokens=cfg.block_tokens,
@@ -167,7 +167,7 @@ class Memory:
             model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
                    "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
                    **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {}),
-                   **({"attention": half.MODE} if half.installed(self.model) else {})})
+                   **({"attention": attention} if attention is not None else {})})
         if loc.remote:
             return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
                                             cache_bytes=self.runtime.store_cache_bytes)

@@ -70,8 +70,8 @@ def fingerprint(model) -> str:
     named = {"config": cfg, "dtype": geo.dtype, "rope": geo.rope, "layout": KV_LAYOUT_VERSION}
     if invariant.installed(model):
         named["kernels"] = invariant.kernels(model)   # (absent for the default: their stores keep their fingerprints)
-    if half.installed(model):
-        named["attention"] = half.MODE
+    if (attention := half.mode(model)) is not None:
+        named["attention"] = attention
     h = xxhash.xxh3_128()
     h.update(json.dumps(named, sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):

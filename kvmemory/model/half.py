@@ -77,3 +77,9 @@ def install(model) -> None:
 
 def installed(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def mode(model) -> str | None:
+    """What the fingerprint and a store's header record of this attention: MODE where it is
+    installed, None where the model computes its own."""
+    return MODE if installed(model) else None
