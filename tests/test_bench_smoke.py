@@ -119,12 +119,13 @@ def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
 
 @pytest.mark.real_model
 def test_bench_serve_loads_a_live_server_and_restores_the_conversation(tmp_path):
-    """A live server under a short load, the conversation restored on its second send, and the same
-    load against a --baseline checkout's server (this checkout, started in a subprocess)."""
+    """A live server under a short load, the conversation restored on its second send, a document's
+    ingestion timed, and the same load against a --baseline checkout's server (this checkout,
+    started in a subprocess)."""
     out = tmp_path / "serve.json"
     p = subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--batch", "8", "--clients", "2", "--seconds", "3",
                         "--differ", "0", "--deposit-tokens", "0", "--conversation-tokens", "600", "--ask-rerank", "0",
-                        "--baseline", str(ROOT), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "--ingest-tokens", "700", "--baseline", str(ROOT), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -140,6 +141,10 @@ def test_bench_serve_loads_a_live_server_and_restores_the_conversation(tmp_path)
     # the store's prefill (256 tokens here; the rest is computed as rows of the decoding), the first computed
     n = t["conversation_tokens"]
     assert t["cached_tokens_recomputed"] == 0 and t["cached_tokens_restored"] == (n - 1) // 256 * 256 >= 256
+    # the ingestion: the whole document deposited (its job done) on the idle server, and the rate printed
+    g = res["ingest"]
+    assert 500 < g["tokens"] < 900 and g["seconds"] > 0 and g["tokens_per_s"] == g["tokens"] / g["seconds"]
+    assert f"ingestion of a {g['tokens']}-token document: ours {g['tokens_per_s']:.0f} tokens/s" in p.stdout
 
 
 def test_bench_serve_counts_a_server_that_drops_connections_as_errors():
