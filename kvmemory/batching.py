@@ -42,6 +42,7 @@ from kvmemory.device import ids_tensor
 from kvmemory.model import half
 from kvmemory.model.half import NAME as HALF
 from kvmemory.model.invariant import NAME as INVARIANT, linear as row_linear
+from kvmemory.threads import release as release_team
 
 _local = threading.local()
 
@@ -345,6 +346,8 @@ class Batcher:
         while True:
             try:
                 block = not active and not waiting
+                if block:
+                    release_team()    # idle: no OpenMP team of this thread beside those working (kvmemory/threads.py)
                 while True:
                     item = self._q.get(block=block)
                     if item is None:

@@ -29,6 +29,7 @@ from kvmemory.store import BlockStore
 from kvmemory.store.info import describe
 from kvmemory.store.location import locate
 from kvmemory.store.manifest import Manifest
+from kvmemory.threads import ModelLock, release as release_team
 
 __all__ = ["Memory", "State", "StateInfo"]
 USER_SCOPES = 64                   # users whose selection indexes stay loaded
@@ -91,7 +92,7 @@ class Memory:
         if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
-        self._lock = threading.RLock()
+        self._lock = ModelLock()          # its holder is the only thread with an OpenMP team (kvmemory/threads.py)
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         if dtype is not None and not isinstance(dtype, str):
@@ -130,6 +131,7 @@ class Memory:
         self._user_docs: dict = {}
         self._segment_blocks = segment_blocks
         self._busy, self._deferring = None, None
+        release_team()                    # the loading thread's OpenMP team (a server serves from others)
 
     def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
         store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,

@@ -26,6 +26,7 @@ from kvmemory.server.routes.web import OPEN as WEB_PATHS
 from kvmemory.server.schemas import ErrorResponse
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
+from kvmemory.threads import release as release_team
 
 log = logging.getLogger("kvmemory.server")
 
@@ -81,6 +82,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
     c.chat.pending = lambda: c.worker.pending
     c.chat.released = lambda: c.worker.released_at
+    release_team()          # this thread's OpenMP team (the row scheme's check ran here): the model is served from others
     stop = threading.Event()
 
     @asynccontextmanager

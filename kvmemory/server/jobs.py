@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from kvmemory.server.persist import JsonFile
+from kvmemory.threads import release as release_team
 
 
 class Jobs:
@@ -71,6 +72,8 @@ class Jobs:
             except Exception as e:   # noqa: BLE001 -- a failed job reports why; the server goes on
                 job["status"] = "failed"
                 job["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                release_team()       # no idle OpenMP team beside the threads serving (kvmemory/threads.py)
             self.flush()
 
 

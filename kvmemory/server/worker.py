@@ -14,6 +14,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvmemory.server.errors import ApiError
+from kvmemory.threads import release as release_team
+
+
+def _released(fn, *args):
+    """fn(*args) on a pool thread, whose OpenMP team (if its work started one outside the Memory's
+    lock) is released after: no idle team beside the threads serving (kvmemory/threads.py)."""
+    try:
+        return fn(*args)
+    finally:
+        release_team()
 
 
 class Worker:
@@ -54,7 +64,7 @@ class Worker:
         """Admit, run fn(*args) on the worker thread, release. Raises ApiError 429 when full."""
         self.admit()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, _released, fn, *args)
         finally:
             self.release()
 
@@ -80,6 +90,7 @@ class Worker:
             except Exception as e:   # noqa: BLE001 -- reported in the stream
                 loop.call_soon_threadsafe(q.put_nowait, ("error", e))
             finally:
+                release_team()
                 self.release()        # whatever became of the client
 
         loop.run_in_executor(self.pool, run)
