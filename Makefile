@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
 # test: the bounded suite (what CI runs); test-full: every long test at its full size (tests/bounds.py)
-.PHONY: demo test test-full bench install clean cuda-check wheel-check examples
+.PHONY: demo test test-full lint bench install clean cuda-check wheel-check examples
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -29,11 +29,17 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/kvmemory demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -rs
 	$(MAKE) wheel-check
 
-test-full: $(STAMP)
+# ruff over the package, tests and benchmarks; mypy over the package (pyproject: strict where the code
+# is, a ratchet list elsewhere)
+lint: $(STAMP)
+	$(BIN)/ruff check kvmemory index cuda tests benchmarks examples
+	$(BIN)/mypy
+
+test-full: $(STAMP) lint
 	KVMEMORY_FULL_TESTS=1 $(BIN)/python -m pytest -q -rs
 	$(MAKE) wheel-check
 

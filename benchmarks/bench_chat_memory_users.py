@@ -46,7 +46,7 @@ def main() -> None:
     rng = random.Random(seed)
     from kvmemory.config import StoreConfig
     mem = kvmemory.Memory(Path(tempfile.mkdtemp(prefix="kvm-users-")) / "m.kvm", store_config=StoreConfig(codec=args.codec))
-    mem.documents.embedder                               # load MiniLM before the baseline
+    _ = mem.documents.embedder                           # load MiniLM before the baseline
     base = rss_mib()
     t0 = time.perf_counter()
     names = [f"u{i:05d}-{rng.randrange(1 << 20):05x}" for i in range(args.users)]
@@ -74,7 +74,7 @@ def main() -> None:
            "rss_mib": {"before_users": base, "after_users": after, "per_user_kib": 1024 * (after - base) / args.users},
            "recall_ms": {"cold_median": 1000 * statistics.median(cold), "cold_max": 1000 * max(cold),
                          "warm_median": 1000 * statistics.median(warm)},
-           "index_bytes_per_user": index_bytes / args.users, "loaded_users": len(mem._user_docs)}
+           "index_bytes_per_user": index_bytes / args.users, "loaded_users": len(mem.scopes)}
     mem.close()
     import shutil
     shutil.rmtree(Path(mem.path).parent, ignore_errors=True)

@@ -62,7 +62,7 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
     t0 = time.perf_counter()
     mem = kvmemory.Memory(path, model=model)
     docs = mem.documents
-    prelude, prelude_row = docs._prelude_state()
+    prelude, prelude_row = docs.prelude_state()
     store, C, p = mem.store, mem.block_tokens, prelude.n_tokens
     g = mem.geometry
     base = rng.standard_normal((g.layers, 2, g.kv_heads, C, g.head_dim), dtype=np.float32)
@@ -207,7 +207,7 @@ def main() -> None:
                      "other": []}
             grafted, reranked = [], 0
             for q in tqdm(questions, desc=f"{n} tokens, k {k}, budget {budget}", disable=not sys.stderr.isatty()):
-                mem._pager = None                       # cold host tier ...
+                mem.rt.handle.drop_pager()                      # cold host tier ...
                 drop_from_page_cache(path)              # ... and cold page cache
                 t = time.perf_counter()
                 a = mem.ask(q, **kw)

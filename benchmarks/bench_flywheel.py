@@ -55,6 +55,7 @@ def run(mem, problems, label: str, bar, **solve_kw) -> dict:
                      "decoded": st["tokens_decoded"], "prefilled": st["tokens_prefilled"],
                      "restored": st["tokens_restored"], "attempts": st["attempts"], "examples": st["examples"],
                      "states_from_ram": st.get("states_from_ram", 0),
+                     "blocks_from_ram": (st.get("blocks_from") or {}).get("host", 0),
                      "repeated": st["repeated"], "ttft": st["timings_s"]["ttft"], "total": st["timings_s"]["total"],
                      "learned": sol.learned.entry_id if sol.learned else None,
                      # repeated problems: the answer is the stored verified one; this says whether the
@@ -187,8 +188,8 @@ def seeded_conditions(args, res: dict, mem, evals, seeds, bar, kw) -> None:
                                               examples_as="text", **kw)
         S = args.seeded
         if args.cold:
-            # the same solves with the library's RAM tier off: every example read and verified from the store
-            tier = seeded.library.states
+            # the same solves with the pager's RAM tier off: every example's blocks read and verified from the store
+            tier = seeded.pager.host
             budget = tier.budget_bytes
             tier.set_budget(0)
             C[f"seeded_{S}_cold"] = cold = run(seeded, evals, "seeded cold", bar, k=args.k, reuse=False, **kw)
@@ -226,7 +227,7 @@ def print_table(res: dict, n: int) -> None:
     cold = [c for name, c in res["conditions"].items() if name.endswith("_cold")]
     if cold:
         warm = res["conditions"][f"seeded_{res['args']['seeded']}"]
-        print(f"\nlibrary states from host RAM vs read from the store (k = {res['args']['k']}): TTFT "
+        print(f"\nlibrary examples from host RAM vs read from the store (k = {res['args']['k']}): TTFT "
               f"{warm['ttft_median']:.3f} vs {cold[0]['ttft_median']:.3f} s, same answers: {res['cold_same_answers']}")
     ks = k_sweep(res)
     if ks:

@@ -32,7 +32,7 @@ def measure(url: str, evals, seeds) -> dict:
     with kvmemory.Memory(url) as m:
         for _, text, ans, worked in seeds:
             m.learn(text, worked, verify=answer_is(ans))
-        tier = m.library.states
+        tier = m.pager.host                     # where grafted examples' blocks are kept (kvmemory.graft)
         budget = tier.budget_bytes
         m.solve(evals[0][1], k=3, reuse=False, learn=False, max_new_tokens=1)       # warm the model
         for _, text, _, _ in evals:
@@ -41,7 +41,7 @@ def measure(url: str, evals, seeds) -> dict:
                 if mode == "warm":      # the entries this problem picks are in RAM, as in a hot library
                     m.solve(text, k=3, reuse=False, learn=False, max_new_tokens=1)
                 sol = m.solve(text, k=3, reuse=False, learn=False, max_new_tokens=1)
-                res[mode].append((sol.stats["timings_s"]["ttft"], sol.stats["states_from_ram"], sol.answer))
+                res[mode].append((sol.stats["timings_s"]["ttft"], sol.stats["blocks_from"]["host"], sol.answer))
     return res
 
 
@@ -71,8 +71,8 @@ def main() -> None:
     out = {"seed": seed, "machine": describe(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "args": vars(args), "same_answers": [a[2] for a in res["warm"]] == [a[2] for a in res["cold"]]}
     for k, v in res.items():
-        out[k] = {"ttft_median": statistics.median(x[0] for x in v), "states_from_ram": sum(x[1] for x in v)}
-        print(f"{k}: median TTFT {out[k]['ttft_median']:.3f} s, states from RAM {out[k]['states_from_ram']}")
+        out[k] = {"ttft_median": statistics.median(x[0] for x in v), "blocks_from_ram": sum(x[1] for x in v)}
+        print(f"{k}: median TTFT {out[k]['ttft_median']:.3f} s, blocks from RAM {out[k]['blocks_from_ram']}")
     print(f"cold / warm {out['cold']['ttft_median'] / out['warm']['ttft_median']:.2f}x; "
           f"same answers: {out['same_answers']}")
     path = Path(args.out) / f"library-tier-{datetime.now():%Y-%m-%d}.json"

@@ -45,7 +45,7 @@ from machine import describe  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
-from kvmemory.ask import window_tokens  # noqa: E402
+from kvmemory.graft import window_tokens  # noqa: E402
 from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_MARGIN, ASK_TOP_K  # noqa: E402
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
@@ -193,7 +193,7 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
         replies = {}
         # ---- selection alone
         for selector in args.selectors:
-            ranked = [row_of[h.row] for h in rank_blocks(mem, mem.documents, q.question, selector, n=max(SELECTOR_KS))]
+            ranked = [row_of[h.row] for h in rank_blocks(mem.rt, mem.documents, q.question, selector, n=max(SELECTOR_KS))]
             for k in SELECTOR_KS:
                 sel[selector][k] += all(g & set(ranked[:k]) for g in gold)
         # ---- kvmemory

@@ -60,7 +60,7 @@ class TextEmbedder:
         by_len: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             by_len.setdefault(len(w), []).append(i)
-        for n, idx in by_len.items():
+        for idx in by_len.values():
             ids = torch.tensor([[cls, *windows[i], sep] for i in idx])                   # [b, n + 2]
             h = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state   # [b, t, 384]
             out[idx] = torch.nn.functional.normalize(h.mean(1), dim=-1).numpy()

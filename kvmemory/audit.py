@@ -21,6 +21,7 @@ import torch
 from kvmemory import kv as kvops
 from kvmemory.errors import CompactStoreError, InputError, KVMemoryError
 from kvmemory.exactness import kl_divergence, max_abs_diff
+from kvmemory.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -38,44 +39,44 @@ class AuditRow:
         return not self.error and self.exact
 
 
-def audit(mem, samples: int, seed: int | None = None, progress=None) -> tuple[int, list[AuditRow]]:
-    """Audit `samples` random states of mem's store (all of them if it holds fewer). Returns
+def audit(rt: Runtime, samples: int, seed: int | None = None, progress=None) -> tuple[int, list[AuditRow]]:
+    """Audit `samples` random states of the runtime's store (all of them if it holds fewer). Returns
     (seed, rows). A state whose read fails verification is a row with its error, not an exception."""
     from kvmemory.model import invariant
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise InputError(f"samples must be an integer >= 1, got {samples!r}")
-    store = mem.require_store()
+    store = rt.store()
     if store.encoding.lossy:
-        raise CompactStoreError(f"store {mem.location} holds {store.manifest.encoding}-encoded KV: E3 holds for exact "
+        raise CompactStoreError(f"store {rt.location} holds {store.manifest.encoding}-encoded KV: E3 holds for exact "
                                 "stores only; its blocks' measured error is in `kvmemory info` (encoding_error)")
     seed = random.SystemRandom().randrange(2**31) if seed is None else int(seed)
     rng = random.Random(seed)
-    states = sorted(s.id for s in mem.states())
+    states = sorted(s.id for s in rt.states.states())
     if not states:
-        raise KVMemoryError(f"store {mem.location} holds no states to audit")
+        raise KVMemoryError(f"store {rt.location} holds no states to audit")
     picked = rng.sample(states, min(samples, len(states)))
-    strict = invariant.installed(mem.model)
-    vocab = mem.model.get_input_embeddings().num_embeddings
+    strict = invariant.installed(rt.model)
+    vocab = rt.model.get_input_embeddings().num_embeddings
     rows = []
     for sid in picked:
         suffix = [rng.randrange(vocab) for _ in range(rng.randrange(1, 17))]
-        rows.append(_audit_one(mem, sid, suffix, strict))
+        rows.append(_audit_one(rt, sid, suffix, strict))
         if progress is not None:
             progress.update(1)
     return seed, rows
 
 
-def _audit_one(mem, sid: str, suffix: list[int], strict: bool) -> AuditRow:
+def _audit_one(rt: Runtime, sid: str, suffix: list[int], strict: bool) -> AuditRow:
     """One state: restored vs recomputed (and vs one plain pass, required when strict)."""
-    model = mem.model
+    model = rt.model
     try:
-        st = mem.load(sid)
+        st = rt.load(sid)
     except KVMemoryError as e:
         return AuditRow(sid, 0, False, float("nan"), float("nan"), False, str(e))
     ids = st.token_ids
     with torch.inference_mode():
         fresh = kvops.make_cache(None, model.config)
-        for _ in kvops.prefill_blocks(model, ids, mem.block_tokens, fresh, chunk_tokens=mem.prefill_tokens):
+        for _ in kvops.prefill_blocks(model, ids, rt.block_tokens, fresh, chunk_tokens=rt.prefill_tokens):
             pass
         fresh_kv = kvops.cache_slice(fresh, 0, len(ids))
         same_kv = fresh_kv.shape == st.kv.shape and torch.equal(fresh_kv, st.kv.to(fresh_kv.dtype))

@@ -34,6 +34,7 @@ from kvmemory import kv as kvops
 from kvmemory.device import ids_tensor, to_model
 from kvmemory.errors import InputError, StoreExistsError
 from kvmemory.exactness import kl_divergence, max_abs_diff
+from kvmemory.runtime import Runtime
 from kvmemory.store import BlockStore, encoding as encodings
 from kvmemory.store.commit import NewBlock
 from kvmemory.store.durable import fsync_dir, fsync_tree
@@ -93,11 +94,11 @@ def chain_kl(model, src: BlockStore, enc, rows: list[int]) -> tuple[float, float
     return kl_divergence(out[0], out[1]), max_abs_diff(out[0], out[1]), bool(out[0].argmax() == out[1].argmax())
 
 
-def compact(mem, dest, encoding: str = "fp16", progress=None) -> CompactReport:
-    """Write a compact copy of mem's (exact) store at `dest` (a new local directory). progress: an
+def compact(rt: Runtime, dest, encoding: str = "fp16", progress=None) -> CompactReport:
+    """Write a compact copy of the runtime's (exact) store at `dest` (a new local directory). progress: an
     object with update(n) (blocks), driven through both passes (2 x the blocks)."""
     t0 = time.perf_counter()
-    src = mem.require_store()
+    src = rt.store()
     src.refresh()
     m = src.manifest
     if src.encoding.lossy:
@@ -122,7 +123,7 @@ def compact(mem, dest, encoding: str = "fp16", progress=None) -> CompactReport:
     kls, diffs, agree = [], [], 0
     for end in ends:
         chain = src.chain(end)
-        k, d, same = chain_kl(mem.model, src, enc, chain)
+        k, d, same = chain_kl(rt.model, src, enc, chain)
         kls.append(k)
         diffs.append(d)
         agree += same

@@ -125,7 +125,7 @@ def ray_add(store, files, address: str | None = None, workers: int = 2, model=No
             if p.name in manifest.docs:
                 raise InputError(f"document {p.name!r} already exists; remove it first")
         docs = mem.documents
-        docs._prelude_state()                     # saved once, before any worker needs it
+        docs.prelude_state()                     # saved once, before any worker needs it
         seg_of = [docs.segments(text_ids(mem.tokenizer, t)) for t in texts]
         tasks = {(d, i): seg for d, segs in enumerate(seg_of) for i, seg in enumerate(segs)}
         report.segments = len(tasks)

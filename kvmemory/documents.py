@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvmemory import hashing, kv as kvops, prompts
+from kvmemory import hashing, kv as kvops
 from kvmemory.errors import DocumentNotFoundError, InputError, StoreError
 from kvmemory.index import INDEXES, VectorIndex
 from kvmemory.index import windows as win
@@ -30,7 +29,12 @@ from kvmemory.index.lexical import LexicalIndex, log_path
 from kvmemory.index import keys as keysel
 from kvmemory.store import Change
 from kvmemory.store.manifest import DocEntry
-from kvmemory.store.layout import INDEX_DIR
+from kvmemory.prelude import USER_DOCS, Prelude, PromptLayout, Scope
+from kvmemory.runtime import Runtime
+from kvmemory.text import check_doc_id, decode_text, read_files, text_ids, valid_id
+
+__all__ = ["SEGMENT_BLOCKS", "USER_DOCS", "DocInfo", "Documents", "Prelude", "PromptLayout", "Scope",
+           "Scopes", "check_doc_id", "decode_text", "read_files", "text_ids", "valid_id"]
 
 SEGMENT_BLOCKS = 4     # 1,024-token segments: measured against 1 and 8 in benchmarks/bench_qa.py
 # derived data; the names carry the layout, so an index of an older layout is rebuilt, not misread
@@ -48,80 +52,18 @@ class DocInfo:
     created: float
 
 
-@dataclass(frozen=True)
-class PromptLayout:
-    """The words around the excerpts. For a 135M model they matter: measured with
-    benchmarks/bench_prompt.py (the model given the gold passage as text, fresh draws)."""
-
-    system: str = "Answer the question using the document excerpts. Be brief."
-    intro: str = "Document excerpts:\n"
-    question: str = "\n\nQuestion: {q}"
-    answer_prefix: str = ""
-
-
-USER_DOCS = "user:"                 # doc ids of chat memory: user:<hash of the user>:... (kvmemory/chat_memory)
-
-
-@dataclass(frozen=True)
-class Scope:
-    """Which documents one Documents sees and where its indexes live: the store's shared documents
-    (every doc id outside a user namespace, indexes in STORE/index/), or one user's namespace (doc
-    ids under `prefix`, indexes of its own, a prelude of its own so that its blocks are its alone)."""
-
-    prefix: str = ""                    # doc ids this scope owns start with it ("": the shared scope)
-    index_dir: str = INDEX_DIR          # relative to the store's local directory
-    layout: PromptLayout = PromptLayout()
-    label: str = "kvmemory:prelude"     # the prelude state's label
-    head: str | None = None             # the prelude's text as given (instead of one built from layout)
-
-    def owns(self, doc_id: str) -> bool:
-        return doc_id.startswith(self.prefix) if self.prefix else not doc_id.startswith(USER_DOCS)
-
-
-class Prelude:
-    """The fixed text before every segment and, at ask time, before the selected blocks, plus
-    the text after them that asks the question. Built from the chat template when there is one."""
-
-    MARK = "\u0000KVMEMORY-EXCERPTS\u0000"
-
-    def __init__(self, tokenizer, layout: PromptLayout = PromptLayout(), head: str | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.layout = layout
-        if head is not None:
-            self.head, self.tail = head, layout.question + "\nAnswer:"
-        elif getattr(tokenizer, "chat_template", None):
-            self.head, self.tail = prompts.split_at(tokenizer, layout.system,
-                                                    layout.intro + self.MARK + layout.question, self.MARK)
-        else:
-            self.head, self.tail = layout.intro, layout.question + "\nAnswer:"
-        self.ids = tokenizer(self.head, add_special_tokens=False)["input_ids"]
-        before, after = self.tail.split("{q}")
-        # the template's own control tokens are tokens; the question's text stays text
-        self._before = tokenizer(before.rstrip(" "), add_special_tokens=False)["input_ids"]
-        self._after = tokenizer(after + layout.answer_prefix, add_special_tokens=False)["input_ids"]
-
-    def question_ids(self, question: str) -> list[int]:
-        """The tokens after the excerpts: the question (as text) and the opening of the answer."""
-        return self._before + text_ids(self.tokenizer, " " + question.strip()) + self._after
-
-    def question_span(self, q_ids: list[int]) -> tuple[int, int]:
-        """Where the question's own words lie in question_ids(...): [start, stop)."""
-        return len(self._before), len(q_ids) - len(self._after)
-
-
 class Documents:
     """Deposit, index, select and remove documents of one Memory."""
 
-    def __init__(self, mem, segment_blocks: int = SEGMENT_BLOCKS, key_layer: int | None = None,
+    def __init__(self, rt: Runtime, segment_blocks: int = SEGMENT_BLOCKS, key_layer: int | None = None,
                  scope: Scope = Scope(), embedder=None) -> None:
-        self.mem = mem
+        self.rt = rt
         self.segment_blocks = segment_blocks
         self.scope = scope
-        self.prelude = Prelude(mem.tokenizer, scope.layout, scope.head)
-        geo = mem.geometry
+        self.prelude = Prelude(rt.tokenizer, scope.layout, scope.head)
+        geo = rt.geometry
         self.key_layer = keysel.default_layer(geo.layers) if key_layer is None else key_layer
-        from kvmemory.rope import inv_freq
-        self.freqs = inv_freq(mem.model)
+        self.freqs = rt.freqs
         self.dims = {"dense": 384, "keys": geo.kv_heads * geo.head_dim}
         self._embedder = embedder                   # shared between scopes: one MiniLM per process
         self._indexes: dict = {}                    # kind -> VectorIndex | LexicalIndex
@@ -144,7 +86,7 @@ class Documents:
         dense and bm25 hold one entry per window (index/windows.py), keys one per block."""
         if kind not in INDEXES:
             raise InputError(f"index must be one of {INDEXES}, got {kind!r}")
-        commit = self.mem.store.manifest.commit
+        commit = self.rt.store().manifest.commit
         idx = self._indexes.get(kind)
         if idx is not None and self._checked.get(kind) == commit:
             return idx                       # validated at this commit: nothing changed since
@@ -155,7 +97,7 @@ class Documents:
         if idx is None or not live <= rows:
             self.rebuild("keys" if kind == "keys" else "text")
             idx = self._indexes[kind]
-        elif rows - live and not self.mem.require_store().read_only:
+        elif rows - live and not self.rt.store().read_only:
             # entries of removed documents a crash left behind (their text is in the index files)
             idx.remove([i for i in idx.ids() if win.row_of(i) not in live])
             self._save_index(kind, idx)
@@ -176,7 +118,7 @@ class Documents:
         return idx
 
     def _index_path(self, kind: str) -> Path:
-        return self.mem.path / self.scope.index_dir / INDEX_FILES[kind]
+        return self.rt.path / self.scope.index_dir / INDEX_FILES[kind]
 
     def _ident(self, kind: str) -> tuple:
         """What on disk an index is: its file's (inode, mtime, size), and its log's for bm25."""
@@ -186,7 +128,7 @@ class Documents:
     def live_map(self) -> dict[int, tuple[str, int, int]]:
         """Row -> (doc id, deposit rank, index of the block in the document) of every block of a
         visible document; rebuilt per commit. A block shared by two documents maps to the first."""
-        m = self.mem.store.manifest
+        m = self.rt.store().manifest
         if self._live[0] != m.commit:
             live: dict[int, tuple[str, int, int]] = {}
             for rank, (doc_id, d) in enumerate(m.docs.items()):
@@ -205,7 +147,7 @@ class Documents:
 
         leads[i] is the block before rows[i] in its document (None for a document's first
         block): its last LEAD_PIECES word pieces open the block's first window."""
-        store, tok, emb = self.mem.store, self.mem.tokenizer, self.embedder
+        store, tok, emb = self.rt.store(), self.rt.tokenizer, self.embedder
         want = sorted({r for r in rows} | {r for r in leads if r is not None})
         meta = store.block_meta(want)
         text = {r: tok.decode([int(t) for t in meta["tokens"][i][:meta["n_tokens"][i]]]) for i, r in enumerate(want)}
@@ -221,7 +163,7 @@ class Documents:
                 kv: list[torch.Tensor] | None = None):
         """Index entries of content blocks. "text": (window ids, vectors [n, 384], window texts);
         "keys": (ids, vectors [n, H*D], None) with kv (each [L, 2, H, n, D]) read from the store when None."""
-        store = self.mem.store
+        store = self.rt.store()
         if kind == "text":
             wids, pieces = self.windows(rows, leads if leads is not None else [None] * len(rows))
             tok = self.embedder.tokenizer
@@ -236,7 +178,7 @@ class Documents:
         meta = store.block_meta(rows)
         if kv is None:
             blocks, _ = store.read_kv(rows)
-            kv = [kvops.from_storage(blocks[i], self.mem.kv_dtype)[:, :, :, :int(meta["n_tokens"][i])]
+            kv = [kvops.from_storage(blocks[i], self.rt.kv_dtype)[:, :, :, :int(meta["n_tokens"][i])]
                   for i in range(len(rows))]
         out = [keysel.block_vectors(kv[i], list(meta["positions"][i][:int(meta["n_tokens"][i])]), self.key_layer,
                                     self.freqs) for i in range(len(rows))]
@@ -246,7 +188,7 @@ class Documents:
     def rebuild(self, what: str, progress=None) -> None:
         """Recompute the entries of every live block from the store and write the index(es) of
         `what`: "text" (dense + bm25, the same windows) or "keys"."""
-        m = self.mem.store.manifest
+        m = self.rt.store().manifest
         seen: set[int] = set()
         todo: list[tuple[int, int | None]] = []            # (row, lead row), documents in order
         for d in (d for k, d in m.docs.items() if self.scope.owns(k)):
@@ -266,12 +208,12 @@ class Documents:
             return
         dense, lex = VectorIndex(self.dims["dense"]), LexicalIndex()
         for i in range(0, len(todo), 64):
-            part = todo[i:i + 64]
-            wids, vecs, texts = self.entries("text", [r for r, _ in part], [lead for _, lead in part])
+            pairs = todo[i:i + 64]
+            wids, vecs, texts = self.entries("text", [r for r, _ in pairs], [lead for _, lead in pairs])
             dense.add(wids, vecs)
             lex.add(wids, texts)
             if progress is not None:
-                progress.update(len(part))
+                progress.update(len(pairs))
         self._save_index("dense", dense)
         self._save_index("bm25", lex)
 
@@ -279,7 +221,7 @@ class Documents:
         """Keep idx and write it, under the writer lock (a writable store only)."""
         self._indexes[kind] = idx
         self._checked.pop(kind, None)
-        store = self.mem.require_store()
+        store = self.rt.store()
         if store.read_only:
             return                           # rebuilt in memory; a writable open will persist it
         path = self._index_path(kind)
@@ -297,7 +239,7 @@ class Documents:
         """Keep idx and record its change in the lexical index's log instead of writing it whole, where
         the file on disk is the one held here and the log is still small. Returns whether it did."""
         path = self._index_path(kind)
-        store = self.mem.require_store()
+        store = self.rt.store()
         held = self._file_ident.get(kind)
         if kind != "bm25" or store.read_only or held is None or held != self._ident(kind) or held[0] is None:
             return False
@@ -339,27 +281,27 @@ class Documents:
                 self._save_index(kind, idx)
 
     # ------------------------------------------------------------------ deposit
-    def _prelude_state(self):
+    def prelude_state(self):
         """The prelude as a stored state (saved on first use, then read back verified)."""
-        mem = self.mem
-        sid = hashing.chain_ids(mem.fingerprint, self.prelude.ids, mem.block_tokens)[-1].hex()
+        rt = self.rt
+        sid = hashing.chain_ids(rt.fingerprint, self.prelude.ids, rt.block_tokens)[-1].hex()
         if self._prelude is None or self._prelude.id != sid:
-            mem.store.refresh()
-            if sid in mem.store.manifest.states:
-                self._prelude = mem.load(sid)
+            rt.store().refresh()
+            if sid in rt.store().manifest.states:
+                self._prelude = rt.load(sid)
             else:
-                self._prelude = mem.save(self.prelude.ids, label=self.scope.label)
-        return self._prelude, mem.store.row_of(bytes.fromhex(sid))
+                self._prelude = rt.save(self.prelude.ids, label=self.scope.label)
+        return self._prelude, rt.store().row_of(bytes.fromhex(sid))
 
     def prelude_kv(self) -> torch.Tensor:
         """[L, 2, H, p, D] KV of the prelude."""
-        return self._prelude_state()[0].kv
+        return self.prelude_state()[0].kv
 
     def add(self, text, doc_id: str | None = None, source: str = "", progress=None) -> DocInfo:
-        mem = self.mem
-        store = mem.require_store()
+        rt = self.rt
+        store = rt.store()
         text = decode_text(text, source)
-        ids = text_ids(mem.tokenizer, text)
+        ids = text_ids(rt.tokenizer, text)
         if progress is not None:
             progress.total = len(ids)
             progress.refresh()
@@ -371,10 +313,10 @@ class Documents:
         store.refresh()
         if doc_id in store.manifest.docs:
             raise InputError(f"document {doc_id!r} already exists; remove it first (kvmemory rm)")
-        p = self._prelude_state()[0].n_tokens
+        p = self.prelude_state()[0].n_tokens
         C = store.manifest.block_tokens
         seg_len = self.segment_blocks * C
-        if p + seg_len > mem.geometry.max_positions:
+        if p + seg_len > rt.geometry.max_positions:
             raise InputError(f"segments of {seg_len} tokens behind a {p}-token prelude exceed the model's window")
         rows: list[int] = []
         indexed = {win.row_of(i) for i in self.index("dense").ids()} & {win.row_of(i) for i in self.index("keys").ids()}
@@ -397,7 +339,7 @@ class Documents:
             rows += seg_rows
             if progress is not None:
                 progress.update(len(seg))
-            mem.make_way()
+            rt.make_way()
         # index entries first (entries of invisible rows are ignored at query time), the manifest
         # entry last: the commit
         entry = DocEntry(rows=rows, n_tokens=len(ids), segments=-(-len(ids) // seg_len), source=source,
@@ -415,7 +357,7 @@ class Documents:
 
     def segments(self, ids: list[int]) -> list[list[int]]:
         """A document's token ids cut into deposit segments."""
-        seg_len = self.segment_blocks * self.mem.block_tokens
+        seg_len = self.segment_blocks * self.rt.block_tokens
         return [ids[s0:s0 + seg_len] for s0 in range(0, len(ids), seg_len)]
 
     def compute_segment(self, seg: list[int], before_commit=None) -> tuple[list[int], list | None]:
@@ -423,21 +365,21 @@ class Documents:
         store has them all; its blocks stay invisible to queries until a document names them.
         Returns (rows, kv blocks computed or None). before_commit() runs between the prefill and
         the commit (a distributed worker's fault hook)."""
-        mem, store = self.mem, self.mem.require_store()
-        prelude, prelude_row = self._prelude_state()
+        rt, store = self.rt, self.rt.store()
+        prelude, prelude_row = self.prelude_state()
         p, C = prelude.n_tokens, store.manifest.block_tokens
-        chain = hashing.chain_ids(mem.fingerprint, seg, C, parent=bytes.fromhex(prelude.id), start=p)
+        chain = hashing.chain_ids(rt.fingerprint, seg, C, parent=bytes.fromhex(prelude.id), start=p)
         store.refresh()
         rows = [store.row_of(b) for b in chain]
         if all(r is not None for r in rows):
-            return rows, None
+            return [int(r) for r in rows if r is not None], None
         store.require_exact()                # a compact store takes no new blocks (before any prefill)
         cache = prelude.cache()
         kv = []
-        for _, b, _ in kvops.prefill_blocks(mem.model, seg, C, cache, start=p,
+        for _, b, _ in kvops.prefill_blocks(rt.model, seg, C, cache, start=p,
                                             chunk_tokens=store.manifest.chunk_tokens):
             kv.append(b)
-            mem.make_way()                   # a deposit gives way to questions between blocks (defer_to)
+            rt.make_way()                   # a deposit gives way to questions between blocks (defer_to)
         if before_commit is not None:
             before_commit()
         return self._commit_segment(chain, seg, kv, prelude_row, p, C), kv
@@ -449,29 +391,29 @@ class Documents:
             new, got = s.plan_chain(chain, seg, p, prelude_row, lambda i: kvops.to_storage(kv[i]))
             rows[:] = got
             return Change(new)
-        self.mem.require_store().commit(build)
+        self.rt.store().commit(build)
         return list(rows)
 
     # ------------------------------------------------------------------ queries
     def docs(self) -> list[DocInfo]:
         """This scope's documents, oldest first."""
-        store = self.mem.require_store()
+        store = self.rt.store()
         store.refresh()
         return [DocInfo(k, d.n_tokens, len(d.rows), d.segments, d.source, d.created)
                 for k, d in sorted(store.manifest.docs.items(), key=lambda kv: kv[1].created) if self.scope.owns(k)]
 
     def remove(self, doc_id: str) -> None:
-        store = self.mem.require_store()
+        store = self.rt.store()
         store.refresh()
         if doc_id not in store.manifest.docs or not self.scope.owns(doc_id):
-            raise DocumentNotFoundError(f"no document {doc_id!r} in store {self.mem.path}")
+            raise DocumentNotFoundError(f"no document {doc_id!r} in store {self.rt.path}")
         self.remove_all([doc_id])
 
     def remove_all(self, doc_ids, states=()) -> int:
         """Remove documents of this scope (and `states`) in one commit (all unselectable at once, or
         none), then their rows from the indexes. Ids this scope does not own or the store lacks are
         skipped. Returns how many documents were removed."""
-        store = self.mem.require_store()
+        store = self.rt.store()
         store.refresh()
         ids = tuple(d for d in dict.fromkeys(doc_ids) if d in store.manifest.docs and self.scope.owns(d))
         states = tuple(s for s in states if s in store.manifest.states)
@@ -489,7 +431,7 @@ class Documents:
             gone.extend(r for r in rows if r not in still)
             self._update_indexes(drop=set(gone))
         store.commit(build, after=after)
-        self.mem.forget_blocks(gone)
+        self.rt.forget_blocks(gone)
         return len(ids)
 
 
@@ -501,58 +443,33 @@ def _ident(path: Path) -> tuple | None:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def text_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of document or question text. Control-token spellings in it (`<|im_end|>`) stay
-    text: a document must not be able to close the turn it is quoted in."""
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def decode_text(text, source: str = "") -> str:
-    """A document's text: str, or bytes that must be UTF-8; not empty, not binary."""
-    what = source or "document"
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"{what} is not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start})") from None
-    if not isinstance(text, str):
-        raise InputError(f"{what} must be text (str) or UTF-8 bytes, got {type(text).__name__}"
-                         " (files go through add_files)")
-    if not text.strip():
-        raise InputError(f"{what} is empty")
-    if "\x00" in text:
-        raise InputError(f"{what} contains NUL bytes: it looks binary, not text")
-    return text
+USER_SCOPES = 64                   # users whose selection indexes stay loaded
 
 
-def read_files(paths) -> tuple[list[Path], list[str]]:
-    """Check and read document files before anything is written: names (the doc ids) unique and
-    valid, every file readable UTF-8 text. Returns (paths, texts); InputError naming the problem."""
-    paths = [Path(p) for p in paths]
-    names = [p.name for p in paths]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        where = "; ".join(f"{n}: " + ", ".join(str(p) for p in paths if p.name == n) for n in dupes)
-        raise InputError(f"two files share a name ({where}); doc ids come from file names, rename one")
-    texts = []
-    for p in paths:
-        check_doc_id(p.name)
-        try:
-            texts.append(decode_text(p.read_bytes(), str(p)))
-        except OSError as e:
-            raise InputError(f"cannot read {p}: {e.strerror}") from None
-    return paths, texts
+class Scopes:
+    """The Documents of chat users' scopes, kept for the last USER_SCOPES users (an idle user's
+    indexes cost nothing: they load on its next request). They share one MiniLM embedder."""
 
+    def __init__(self, rt: Runtime, embedder) -> None:
+        self.rt = rt
+        self._embedder = embedder           # () -> the shared documents' TextEmbedder
+        self._docs: dict[str, Documents] = {}
 
-def valid_id(value) -> bool:
-    """An id (document, session) is printable text: no control characters (a terminal escape, a
-    tab, a newline would corrupt `kvmemory docs` output and logs), 1 to 200 characters."""
-    return isinstance(value, str) and 0 < len(value) <= 200 and \
-        not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in value)
+    def get(self, scope: Scope) -> Documents:
+        with self.rt.lock:
+            docs = self._docs.pop(scope.prefix, None)
+            if docs is None:
+                docs = Documents(self.rt, scope=scope, embedder=self._embedder())
+            self._docs[scope.prefix] = docs                  # most recent last
+            while len(self._docs) > USER_SCOPES:
+                self._docs.pop(next(iter(self._docs)))
+            return docs
 
+    def drop(self, scope: Scope) -> None:
+        with self.rt.lock:
+            self._docs.pop(scope.prefix, None)
 
-def check_doc_id(doc_id: str) -> None:
-    """InputError unless doc_id is a valid document id."""
-    if not valid_id(doc_id):
-        raise InputError(f"a document id is a non-empty string of at most 200 characters without control "
-                         f"characters, got {doc_id!r}")
+    def __len__(self) -> int:
+        return len(self._docs)

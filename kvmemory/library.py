@@ -22,7 +22,7 @@ import re
 import threading
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -30,8 +30,11 @@ import torch
 
 from kvmemory import prompts
 from kvmemory.decode import sampler
-from kvmemory.errors import (InputError, StoreCorruptError, StoreExistsError, VerificationError,
-                             WindowExceededError)
+from kvmemory.options import check_recompute
+from kvmemory.errors import (InputError, StateNotFoundError, StoreCorruptError, StoreExistsError,
+                             VerificationError, WindowExceededError)
+from kvmemory.pager.pager import FetchStats
+from kvmemory.runtime import Runtime
 
 SYSTEM = ("You solve problems step by step. Show the steps briefly, then give the final answer on its own "
           "line as 'Answer: <answer>'.")
@@ -153,8 +156,8 @@ def problem_key(problem: str) -> str:
 class Library:
     """The solved examples of one Memory (its store's library/ directory)."""
 
-    def __init__(self, mem) -> None:
-        self.mem = mem
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
         self.dir = LIBRARY_DIR                        # under the store: a directory or an object-store prefix
         self._entries: dict[str, Entry] = {}
         self._vecs: dict[str, np.ndarray] = {}
@@ -164,26 +167,26 @@ class Library:
         # an entry's state is immutable (its id is the hash of its tokens), so a copy read and
         # digest-checked once serves every later solve without another store round trip
         from kvmemory.pager.lru import LRUTier
-        self.states = LRUTier("library", mem.runtime.host_cache_bytes // 4)
+        self.states = LRUTier("library", rt.config.host_cache_bytes // 4)
 
     # ---- prompt pieces (token ids)
     @property
     def prelude_ids(self) -> list[int]:
         if self._prelude is None:
-            self._prelude = self.mem.tokenize(self.mem.system_prompt(SYSTEM))
+            self._prelude = self.rt.tokenize(prompts.system_text(self.rt.tokenizer, SYSTEM))
         return self._prelude
 
     def turn_ids(self, problem: str, solution: str | None = None) -> list[int]:
         """The tokens of one solved example after the prelude (user turn + assistant's solution and
         end of turn), or with solution None the user turn and the assistant's opening."""
-        return self.mem.tokenize(prompts.turn_text(self.mem.tokenizer, problem, solution, system=SYSTEM))
+        return self.rt.tokenize(prompts.turn_text(self.rt.tokenizer, problem, solution, system=SYSTEM))
 
     # ---- entries
     def refresh(self) -> None:
         """Read entries written since the last refresh (by this or another process). An entry's
         file is <state id>.verified.json or <state id>.unverified.json, each written once; where
         both exist (learned unverified, later verified) the verified one counts."""
-        files = self.mem.require_store().files
+        files = self.rt.store().files
         for name in files.list(self.dir):
             if not name.endswith(".json"):
                 continue
@@ -229,7 +232,7 @@ class Library:
                 raise VerificationError(f"the solution fails its verifier {vname}; nothing was stored")
             verified = True
         ids = self.prelude_ids + self.turn_ids(problem, solution)
-        st = self.mem.save(ids, label=f"library: {problem_key(problem)[:60]}")
+        st = self.rt.save(ids, label=f"library: {problem_key(problem)[:60]}")
         self.refresh()
         if st.id in self._entries:                       # the same problem and solution, learned before
             old = self._entries[st.id]
@@ -238,7 +241,7 @@ class Library:
         e = Entry(st.id, problem, solution, extract_answer(solution), verified, vname, len(ids), time.time())
         key = f"{self.dir}/{st.id}.{'verified' if verified else 'unverified'}.json"
         try:
-            self.mem.require_store().files.create(key, json.dumps(asdict(e), sort_keys=True).encode())
+            self.rt.store().files.create(key, json.dumps(asdict(e), sort_keys=True).encode())
         except StoreExistsError:                         # a concurrent learn of the same entry
             self.refresh()
             return self._entries[st.id]
@@ -253,7 +256,7 @@ class Library:
             v = self._vecs[e.entry_id] = shared_embedder().embed([e.problem])[0]
         return v
 
-    def nearest(self, problem: str, k: int, exclude: set[str] = frozenset(),
+    def nearest(self, problem: str, k: int, exclude: Collection[str] = frozenset(),
                 refresh: bool = True) -> list[tuple[Entry, float]]:
         """The k verified entries whose problems are nearest to `problem` (cosine of MiniLM
         embeddings, exact search with FAISS), best first."""
@@ -277,45 +280,50 @@ class Library:
         """The verified state of an entry: from the host-RAM tier, or a verified read of the store
         (then kept). A state that was forgotten from the store is not served from RAM either."""
         st = self.states.get(entry_id)
-        if st is None or entry_id not in self.mem.require_store().manifest.states:
-            st = self.mem.load(entry_id)
+        if st is None or entry_id not in self.rt.store().manifest.states:
+            st = self.rt.load(entry_id)
             self.states.put(entry_id, st, st.kv.numel() * st.kv.element_size())
         return st
 
-    def window_kv(self, chosen: list[Entry]) -> tuple[torch.Tensor, list[int], int]:
-        """KV of prelude + the chosen examples in order: [L, 2, H, T, D], their token ids, and how
-        many leading tokens are exact (the first example's state, at its own positions)."""
-        from kvmemory.rope import inv_freq, rotate, shift_cos_sin
+    def window_kv(self, chosen: list[Entry]) -> tuple[torch.Tensor, list[int], int, FetchStats]:
+        """KV of prelude + the chosen examples in order: [L, 2, H, T, D], their token ids, how many
+        leading tokens are exact (the first example's state, at its own positions), and where the
+        blocks came from. Each example's blocks come through the pager (verified, kept in its host
+        tier); the examples after the first are re-rotated to follow the one before (graft.assemble)."""
+        from kvmemory.graft import assemble, chain_pieces
+        store = self.rt.store()
         P = len(self.prelude_ids)
-        parts, ids, pos = [], [], P
+        C = store.manifest.block_tokens
+        pieces: list = []
+        ids: list[int] = []
         exact = 0
-        freqs = inv_freq(self.mem.model)
         for i, e in enumerate(chosen):
-            st = self.state(e.entry_id)
-            if st.token_ids[:P] != self.prelude_ids:
+            entry = store.manifest.states.get(e.entry_id)
+            if entry is None:
+                raise StateNotFoundError(f"library entry {e.entry_id}: its state is no longer in the store")
+            rows = store.chain(entry.last_row)
+            meta = store.verified_meta(rows)
+            n = [int(x) for x in meta["n_tokens"]]
+            toks = [int(t) for k, row in zip(n, meta["tokens"]) for t in row[:k]]
+            if toks[:P] != self.prelude_ids:
                 raise StoreCorruptError(f"library entry {e.entry_id} does not start with the library prelude")
+            start = 0 if i == 0 else P
+            pieces += chain_pieces(rows, n, C, start, len(ids))
+            ids += toks[start:]
             if i == 0:
-                parts.append(st.kv)
-                ids += st.token_ids
-                exact = len(st.token_ids)
-            else:
-                kv = st.kv[:, :, :, P:].clone()
-                shift = pos - P
-                cos, sin = shift_cos_sin(torch.tensor([shift]), freqs)
-                kv[:, 0] = rotate(kv[:, 0], cos[0].to(kv.device), sin[0].to(kv.device))
-                parts.append(kv)
-                ids += st.token_ids[P:]
-            pos = len(ids)
-        return torch.cat(parts, dim=3), ids, exact
+                exact = len(toks)
+        g = self.rt.geometry
+        head = torch.empty((g.layers, 2, g.kv_heads, 0, g.head_dim), dtype=self.rt.kv_dtype)
+        kv, fetch = assemble(self.rt, head, pieces)
+        return kv, ids, exact, fetch
 
 
 # ------------------------------------------------------------------ solve
 @torch.inference_mode()
-def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
+def solve(rt: Runtime, lib: Library, problem: str, verify=None, k: int = 3, attempts: int = 1, max_new_tokens: int = 256,
           temperature: float = 0.7, seed: int = 0, examples_as: str = "kv", learn: bool = True,
           reuse: bool = True, recompute: float = 0.0) -> Solution:
-    from kvmemory import kv as kvops
-    from kvmemory.ask import check_recompute
+    from kvmemory import graft, kv as kvops
     from kvmemory.decode import greedy
     from kvmemory.device import ids_tensor, to_model
 
@@ -331,7 +339,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     check_recompute(recompute)
     fn, vname = resolve_verifier(verify)
     t0 = time.perf_counter()
-    model = mem.model
+    model = rt.model
 
     # ---- a problem already solved: restore its verified state through the answer line, feed its
     # last token, decode one token (the model, at the end of its own verified solution, should end
@@ -342,7 +350,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     if hit is not None:
         st = lib.state(hit.entry_id)
         P_turn = len(lib.prelude_ids) + len(lib.turn_ids(hit.problem, None))
-        ends = [i for i in range(P_turn, st.n_tokens) if st.token_ids[i] in mem.eos_ids]
+        ends = [i for i in range(P_turn, st.n_tokens) if st.token_ids[i] in rt.eos_ids]
         cut = (ends[0] if ends else st.n_tokens) - 1           # the last token of the solution
         if cut > P_turn:
             # views of the verified state (copy=False): the model's updates concatenate, never write in place
@@ -354,7 +362,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
             ok = run_verifier(fn, text) if fn is not None else None
             if ok is not False:
                 return Solution(text, extract_answer(text), ok if fn is not None else hit.verified, [hit.entry_id], {
-                    "repeated": True, "answer_from": "library", "model_ends_turn": nxt in mem.eos_ids,
+                    "repeated": True, "answer_from": "library", "model_ends_turn": nxt in rt.eos_ids,
                     "tokens_restored": cut, "tokens_prefilled": 1, "tokens_decoded": 1, "tokens_exact": cut,
                     "states_from_ram": lib.states.stats.hits - ram0,
                     "attempts": 1, "examples": 1, "verifier": vname,
@@ -363,7 +371,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
 
     # ---- worked examples: the k nearest verified solutions, best last (nearest the problem)
     q_ids = lib.turn_ids(problem, None)
-    room = mem.geometry.max_positions - len(q_ids) - max_new_tokens
+    room = rt.geometry.max_positions - len(q_ids) - max_new_tokens
     if len(lib.prelude_ids) > room:
         raise WindowExceededError(f"the problem is {len(q_ids)} tokens; with the prelude and {max_new_tokens} "
                                   f"answer tokens it does not fit the model's window")
@@ -371,36 +379,26 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     while chosen and len(lib.prelude_ids) + sum(e.n_tokens - len(lib.prelude_ids) for e in chosen) > room:
         chosen = chosen[1:]                                        # drop the farthest first
     t = time.perf_counter()
+    kv, fetch = None, None
     if chosen and examples_as == "kv":
-        kv, ctx_ids, exact = lib.window_kv(chosen)
+        kv, ctx_ids, exact, fetch = lib.window_kv(chosen)
         restored, rerotated = len(ctx_ids), len(ctx_ids) - exact
-        blend = recompute > 0 and rerotated > 0           # else the graft is the cache as it stands
-        # the window is a fresh tensor of its own: the cache may start as views of it
-        cache = None if blend else kvops.make_cache(to_model(kv, model), model.config, copy=False)
         prefill = q_ids
     else:
         ctx_ids = list(lib.prelude_ids)                 # the same tokens as text: nothing read from the store
         for e in chosen:
             ctx_ids += lib.turn_ids(e.problem, e.solution)
         restored, rerotated, exact = 0, 0, 0
-        cache, blend = None, False
         prefill = ctx_ids + q_ids
     graft_s = time.perf_counter() - t
-    recomputed = 0
-    if blend:
-        # the examples after the first never saw each other: recompute the tokens that deviate most
-        from kvmemory.blend import blend_prefill
-        logits, blended, bs = blend_prefill(model, to_model(kv, model), ctx_ids, prefill, float(recompute),
-                                            exact_tokens=exact)
-        recomputed = bs.recomputed
-        cache = kvops.make_cache(blended, model.config)
-    else:
-        if cache is None:
-            from transformers import DynamicCache
-            cache = DynamicCache(config=model.config)
-        for _, _, logits in kvops.prefill_blocks(model, prefill, mem.block_tokens, cache, restored,
-                                                       mem.prefill_tokens):
-            pass
+    # the examples after the first never saw each other: recompute=r recomputes the tokens that
+    # deviate most; else the problem is prefilled the canonical way over the window as it stands
+    # (a fresh tensor of its own: the cache may start as views of it)
+    tail = graft.prefill_tail(rt, kv, prefill, recompute=recompute if rerotated > 0 else 0.0,
+                              ctx_ids=lambda: ctx_ids, exact_tokens=exact, copy=False, chunked=True)
+    cache, recomputed = tail.cache, tail.recomputed
+    logits = tail.logits
+    assert logits is not None                          # not a batched tail: the prefill's own logits
     ttft = time.perf_counter() - t0
     # every attempt starts from the same prefilled KV (a copy; the first may use it in place)
     snapshot = kvops.cache_slice(cache, 0, restored + len(prefill)) if attempts > 1 else None
@@ -408,9 +406,9 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
     for a in range(attempts):
         run_cache = cache if a == 0 and snapshot is None else kvops.make_cache(snapshot, model.config)
         pick = None if a == 0 else sampler(float(temperature), seed=seed + a)
-        new = greedy(model, run_cache, logits, max_new_tokens, mem.eos_ids, pick=pick)
+        new = greedy(model, run_cache, logits, max_new_tokens, rt.eos_ids, pick=pick)
         decoded += len(new)
-        text = mem.tokenizer.decode(new, skip_special_tokens=True).strip()
+        text = rt.tokenizer.decode(new, skip_special_tokens=True).strip()
         if fn is None:
             break
         ok = bool(text) and run_verifier(fn, text)          # an empty answer is never verified
@@ -418,7 +416,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
             break
     learn_skipped = None
     if ok and learn:
-        if mem.require_store().read_only:
+        if rt.store().read_only:
             learn_skipped = "the store is read-only"
         else:
             learned = lib.learn(problem, text, fn)
@@ -426,6 +424,7 @@ def solve(mem, lib: Library, problem: str, verify=None, k: int = 3, attempts: in
         "repeated": False, "examples": len(chosen), "examples_as": examples_as, "attempts": a + 1,
         "tokens_restored": restored, "tokens_exact": exact, "tokens_rerotated": rerotated,
         "states_from_ram": lib.states.stats.hits - ram0,
+        "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk} if fetch else None,
         "tokens_recomputed": recomputed,
         "tokens_prefilled": len(prefill), "tokens_decoded": decoded, "verifier": vname, "learn_skipped": learn_skipped,
         "timings_s": {"graft": graft_s, "ttft": ttft, "total": time.perf_counter() - t0}}, learned,

@@ -11,31 +11,27 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import time
 
 import torch
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.config import RuntimeConfig, StoreConfig, from_env
-from kvmemory.decode import eos_ids, greedy
+from kvmemory.decode import greedy
 from kvmemory.device import ids_tensor
-from kvmemory.errors import InputError, ModelMismatchError, StoreError
+from kvmemory.errors import InputError
 from kvmemory.model import fingerprint, geometry, load_model
-from kvmemory.model.fingerprint import with_prefill
 from kvmemory.model import half, invariant as invariant_ops
+from kvmemory.opening import create_store, open_store
+from kvmemory.options import AskOptions
+from kvmemory.progress import bar as _bar
+from kvmemory.runtime import MAKE_WAY_S, Runtime, StoreHandle
 from kvmemory.states import State, StateInfo, States
 from kvmemory.store import BlockStore
 from kvmemory.store.info import describe
 from kvmemory.store.location import locate
-from kvmemory.store.manifest import Manifest
 from kvmemory.threads import ModelLock, release as release_team
 
-__all__ = ["Memory", "State", "StateInfo"]
-USER_SCOPES = 64                   # users whose selection indexes stay loaded
-
-
-MAKE_WAY_S = 2.0          # the longest a deposit waits between two blocks for other work (Memory.defer_to)
+__all__ = ["MAKE_WAY_S", "Memory", "State", "StateInfo"]
 
 
 def _locked(method):
@@ -94,7 +90,7 @@ class Memory:
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
         self._lock = ModelLock()          # its holder is the only thread with an OpenMP team (kvmemory/threads.py)
         if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
+            dtype = str(dtype).removeprefix("torch.")  # type: ignore[assignment]
         if dtype is not None and not isinstance(dtype, str):
             raise InputError(f"dtype must be a torch dtype or its name, got {dtype!r}")
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
@@ -119,68 +115,28 @@ class Memory:
             half.install(self.model)      # a bf16/fp16 model on CPU: its attention in float32 (fast, exact)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
-        self.store = self._open_store(loc, read_only, store_config) if loc.exists else \
-            self._create_store(loc, store_config)
-        self.fingerprint = self.store.manifest.fingerprint     # the model's, or derived (a prefill_tokens store)
-        self._dtype = getattr(torch, self.geometry.dtype)
-        self.states_room = States(self.require_store, self.model, self.tokenizer, self.fingerprint, self.geometry,
-                                  self._dtype, self.location)
-        self._pager = None
+        store = open_store(loc, self.model, self.geometry, self.fingerprint, self.runtime, read_only) if loc.exists \
+            else create_store(loc, self.model, self.model_name, self.geometry, self.fingerprint, self.runtime,
+                              store_config)
+        self.fingerprint = store.manifest.fingerprint     # the model's, or derived (a prefill_tokens store)
+        kv_dtype = getattr(torch, self.geometry.dtype)
+        handle = StoreHandle(store, self.location, kv_dtype, self.runtime, self.model.device)
+        self.states_room = States(handle.require, self.model, self.tokenizer, self.fingerprint, self.geometry,
+                                  kv_dtype, self.location)
+        self.rt = Runtime(model=self.model, tokenizer=self.tokenizer, geometry=self.geometry, kv_dtype=kv_dtype,
+                          fingerprint=self.fingerprint, location=self.location, path=self.path, config=self.runtime,
+                          lock=self._lock, handle=handle, states=self.states_room)
         self._documents = None
         self._library = None
-        self._user_docs: dict = {}
+        self._scopes = None
         self._segment_blocks = segment_blocks
-        self._busy, self._deferring = None, None
         release_team()                    # the loading thread's OpenMP team (a server serves from others)
-
-    def _open_store(self, loc, read_only: bool, store_config) -> BlockStore:
-        store = BlockStore(self.path, read_only=read_only, lock_timeout_s=self.runtime.lock_timeout_s,
-                           files=loc.files if loc.remote else None, cache_bytes=self.runtime.store_cache_bytes)
-        m = store.manifest
-        want = with_prefill(self.fingerprint, m.prefill_tokens, m.block_tokens)
-        if m.fingerprint != want:
-            theirs = store.manifest.model.get("kernels", invariant_ops.DEFAULT)
-            ours = invariant_ops.kernels(self.model)
-            hint = "" if theirs == ours else (f"its blocks were computed with the {theirs} kernels, this Memory "
-                                              f"uses the {ours} ones: open it with "
-                                              f"invariant={theirs != invariant_ops.DEFAULT}")
-            theirs_att, ours_att = m.model.get("attention"), half.mode(self.model)
-            if m.kv_dtype == self.geometry.dtype and theirs == ours and theirs_att != ours_att:
-                hint = (f"its blocks were computed with {'float32' if theirs_att else m.kv_dtype} attention, this "
-                        f"Memory computes with {'float32' if ours_att else m.kv_dtype} attention (kvmemory.model.half)"
-                        + ("; a half-precision store made before kvmemory computed attention in float32 on CPU "
-                           "(2026-12-04) holds other bytes: deposit its documents into a new store"
-                           if theirs_att is None else ""))
-            if m.kv_dtype != self.geometry.dtype:
-                hint = (f"its blocks were computed in {m.kv_dtype}, this Memory computes in {self.geometry.dtype}: "
-                        f"open it with dtype={m.kv_dtype!r} (--dtype {m.kv_dtype}, KVMEMORY_DTYPE)"
-                        + (f"; {hint}" if hint else ""))
-            raise ModelMismatchError(m.fingerprint, want, self.location, hint)
-        return store
-
-    def _create_store(self, loc, store_config) -> BlockStore:
-        cfg = store_config or from_env(StoreConfig)
-        g = self.geometry
-        kernels, attention = invariant_ops.kernels(self.model), half.mode(self.model)
-        q = 0 if cfg.prefill_tokens == cfg.block_tokens else cfg.prefill_tokens
-        manifest = Manifest(
-            fingerprint=with_prefill(self.fingerprint, q, cfg.block_tokens), block_tokens=cfg.block_tokens,
-            shard_blocks=cfg.shard_blocks, codec=cfg.codec, kv_dtype=g.dtype, prefill_tokens=q,
-            model={"name": self.model_name, "layers": g.layers, "kv_heads": g.kv_heads,
-                   "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
-                   **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {}),
-                   **({"attention": attention} if attention is not None else {})})
-        if loc.remote:
-            return BlockStore.create_remote(loc.files, self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s,
-                                            cache_bytes=self.runtime.store_cache_bytes)
-        return BlockStore.create(self.path, manifest, lock_timeout_s=self.runtime.lock_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     @_locked
     def close(self) -> None:
-        self.store = None
-        self._user_docs = {}
-        self._pager = None
+        self.rt.handle.close()
+        self._scopes = None
         self._documents = None
         self._library = None
 
@@ -191,14 +147,15 @@ class Memory:
         self.close()
 
     @property
+    def store(self) -> BlockStore | None:
+        """The open BlockStore (None once closed)."""
+        return self.rt.handle.store
+
+    @property
     def pager(self):
         """The tiered pager (host RAM LRU, GPU pool when the model is on CUDA) over this store."""
         with self._lock:
-            if self._pager is None:
-                from kvmemory.pager import Pager
-                self._pager = Pager(self.require_store(), self._dtype, self.runtime.host_cache_bytes,
-                                    self.runtime.gpu_cache_bytes, self.model.device)
-        return self._pager
+            return self.rt.pager
 
     def exclusive(self):
         """The Memory's lock (re-entrant): hold it to run several operations, or direct use of
@@ -210,34 +167,25 @@ class Memory:
         (other work waits for the model: the server's requests), the deposit lets go of the model
         and waits, at most MAKE_WAY_S a block, so a question asked during a long deposit waits for
         one block, not the document. busy=None: this thread deposits without pausing."""
-        self._busy, self._deferring = busy, (threading.get_ident() if busy is not None else None)
+        self.rt.deferral.set(busy)
 
     def make_way(self) -> float:
         """A deposit's pause point (between blocks): see defer_to. Returns the seconds it waited."""
-        busy = self._busy
-        if busy is None or self._deferring != threading.get_ident() or not busy() or not self._lock._is_owned():
-            return 0.0
-        from kvmemory.batching import let_go
-        t0 = time.monotonic()
-        with let_go(self._lock):
-            while busy() and time.monotonic() - t0 < MAKE_WAY_S:
-                time.sleep(0.005)
-        return time.monotonic() - t0
+        return self.rt.make_way()
 
     def forget_blocks(self, rows) -> None:
         """Drop rows from the pager's caches (after their document was removed)."""
-        if self._pager is not None:
-            self._pager.forget(rows)
+        self.rt.forget_blocks(rows)
 
     @property
     def kv_dtype(self) -> torch.dtype:
         """The torch dtype of this model's KV (and of the store's blocks)."""
-        return self._dtype
+        return self.rt.kv_dtype
 
     @property
     def eos_ids(self) -> set[int]:
         """Token ids that end a generated answer."""
-        return eos_ids(self.tokenizer, self.model)
+        return self.rt.eos_ids
 
     @property
     def documents(self):
@@ -247,7 +195,7 @@ class Memory:
     def _documents_unlocked(self):
         if self._documents is None:
             from kvmemory.documents import SEGMENT_BLOCKS, Documents
-            self._documents = Documents(self, segment_blocks=self._segment_blocks or SEGMENT_BLOCKS)
+            self._documents = Documents(self.rt, segment_blocks=self._segment_blocks or SEGMENT_BLOCKS)
         return self._documents
 
     # ------------------------------------------------------------------ documents
@@ -281,45 +229,29 @@ class Memory:
         return [self.add(b, doc_id=p.name, progress=progress, source=str(p)) for p, b in zip(paths, blobs)]
 
     @_locked
-    def ask(self, question: str, top_k: int | None = None, selector: str = "text", max_new_tokens: int = 48,
-            recompute: float | None = None, expand: bool = True, min_relevance: float | None = None,
-            on_token=None, doc_filter=None, rerank: int | None = None, rerank_margin: float | None = None,
-            max_context_tokens: int | None = None, seam: int | None = None, order: str | None = None):
+    def ask(self, question: str, options: AskOptions | None = None, *, on_token=None, doc_filter=None, **changes):
         """Answer a question from the deposited documents. Returns Answer(text, sources, stats).
 
-        Ranks blocks (selector "text": MiniLM windows + BM25 fused by reciprocal rank; "dense",
-        "bm25" alone; "keys": the model's own keys), grafts the top_k (default kvmemory.config.ASK_TOP_K)
-        into a fixed-size window in document order, each with the blocks before it in its deposit
-        segment (expand=True), and decodes greedily. recompute (0..1, default kvmemory.ask.RECOMPUTE)
-        recomputes that fraction of the window's tokens (those whose K/V deviate most) so grafted
-        blocks see each other; 1.0 is a full re-prefill of the window's text. min_relevance (0..1,
-        default kvmemory.ask.MIN_RELEVANCE) drops selected blocks after the first whose BM25 score is
-        below that fraction of the best block's: fewer distractors for a small model. With the model on
-        CUDA, blocks are gathered by the gather_blocks kernel and, without recompute, the model's
-        attention is switched to kvmemory's window_attention op (transformers' attention registry).
+        Ranks blocks (MiniLM windows + BM25 fused by reciprocal rank, by default), re-ranks the
+        contenders by the question's likelihood over their stored KV, grafts the best into a
+        fixed-size window in document order, each with the blocks before it in its deposit segment,
+        and decodes greedily. `options` (kvmemory.AskOptions, default AskOptions()) says how; keyword
+        `changes` override single options (ask(q, top_k=3, rerank=0)); every option and its default
+        is documented on AskOptions. With the model on CUDA, blocks are gathered by the
+        gather_blocks kernel and, without recompute, attention runs kvmemory's window_attention op.
         on_token(text_delta), if given, receives the answer as it is decoded (streaming); returning
-        True from it stops the decoding there.
-        doc_filter(doc_id) -> bool, if given, limits selection to the documents it accepts.
-        rerank (default kvmemory.ask.RERANK; 0 or 1: off) re-ranks the first `rerank` blocks that pass
-        the min_relevance cut by the question's likelihood behind each one's stored KV
-        (kvmemory.rerank; no forward where the best block stands alone), and keeps a block after
-        the best only within rerank_margin nats per question token of it. max_context_tokens
-        bounds the grafted tokens (default kvmemory.ask.CONTEXT_TOKENS; never more than the
-        window's room), so an answer's cost does not grow with the store. seam=n (default
-        kvmemory.ask.SEAM) recomputes the first n tokens of every grafted run that meets context
-        it was not computed in (EPIC-style), through every layer. order (default kvmemory.ask.ORDER):
-        "document", or "best_last" to put the run holding the best selected block nearest the question.
+        True from it stops the decoding there. doc_filter(doc_id) -> bool, if given, limits
+        selection to the documents it accepts.
         """
-        from kvmemory import ask as _ask
-        return _ask.ask(self, self.documents, question, top_k=_ask.TOP_K if top_k is None else top_k,
-                        selector=selector, max_new_tokens=max_new_tokens,
-                        recompute=_ask.RECOMPUTE if recompute is None else recompute, expand=expand,
-                        min_relevance=_ask.MIN_RELEVANCE if min_relevance is None else min_relevance,
-                        on_token=on_token, doc_filter=doc_filter,
-                        rerank=_ask.RERANK if rerank is None else rerank,
-                        rerank_margin=_ask.RERANK_MARGIN if rerank_margin is None else rerank_margin,
-                        max_context_tokens=_ask.CONTEXT_TOKENS if max_context_tokens is None else max_context_tokens,
-                        seam=_ask.SEAM if seam is None else seam, order=_ask.ORDER if order is None else order)
+        from kvmemory.ask import ask
+        opts = (options or AskOptions()).but(**changes)
+        return ask(self.rt, self.documents, question, opts, on_token=on_token, doc_filter=doc_filter)
+
+    def passages(self, answer) -> list[dict]:
+        """What an Answer grafted, as text: one dict per run of answer.sources (doc_id, start_token,
+        end_token, score, text), window order."""
+        from kvmemory.ask import passages
+        return passages(self.rt, answer)
 
     @_locked
     def retrieve(self, question: str, k: int = 4, selector: str = "text", doc_filter=None) -> list[dict]:
@@ -334,7 +266,7 @@ class Memory:
         store = self.require_store()
         store.refresh()
         docs = self.documents
-        ranked = rank_blocks(self, docs, question, selector, n=k, doc_filter=doc_filter)
+        ranked = rank_blocks(self.rt, docs, question, selector, n=k, doc_filter=doc_filter)
         live = docs.live_map()
         meta = store.block_meta([h.row for h in ranked])
         C = store.manifest.block_tokens
@@ -384,9 +316,7 @@ class Memory:
 
     def require_store(self) -> BlockStore:
         """The open BlockStore; StoreError once this Memory is closed."""
-        if self.store is None:
-            raise StoreError(f"memory {self.location} is closed")
-        return self.store
+        return self.rt.store()
 
     # ------------------------------------------------------------------ states (kvmemory/states.py)
     def tokenize(self, text_or_ids) -> list[int]:
@@ -433,7 +363,7 @@ class Memory:
         measured and kept with it (kvmemory/compact.py). Returns a CompactReport. The copy opens
         like any store; every graft from it reports its error, and it takes no new blocks."""
         from kvmemory.compact import compact
-        return compact(self, dest, encoding, progress)
+        return compact(self.rt, dest, encoding, progress)
 
     @_locked
     def verify(self, recompute: bool = False, progress=None) -> list[tuple[int, str]]:
@@ -445,7 +375,7 @@ class Memory:
         """E3 on `samples` random states of the store (kvmemory/audit.py): restored vs recomputed the
         canonical way, bit for bit (and vs one plain pass in invariant mode). Returns (seed, rows)."""
         from kvmemory.audit import audit
-        return audit(self, samples, seed, progress)
+        return audit(self.rt, samples, seed, progress)
 
     # ------------------------------------------------------------------ generation
     def chat_turn(self, text: str) -> str:
@@ -480,30 +410,20 @@ class Memory:
         fraction of the recalled turns' tokens recomputed in each window (default
         kvmemory.chat_memory.memory.RECOMPUTE)."""
         from kvmemory.chat_memory import ChatMemory
-        return ChatMemory(self, user, layout, recompute=recompute)
+        return ChatMemory(self.rt, self.scopes, user, layout, recompute=recompute)
 
-    def user_documents(self, scope):
-        """The Documents of a user's scope, kept for the last USER_SCOPES users (an idle user's
-        indexes cost nothing: they load on its next request). Shares the MiniLM embedder."""
+    @property
+    def scopes(self):
+        """The Documents of chat users' scopes (kvmemory.documents.Scopes), the last USER_SCOPES loaded."""
         with self._lock:
-            docs = self._user_docs.pop(scope.prefix, None)
-            if docs is None:
-                from kvmemory.documents import Documents
-                docs = Documents(self, scope=scope, embedder=self.documents.embedder)
-            self._user_docs[scope.prefix] = docs                    # most recent last
-            while len(self._user_docs) > USER_SCOPES:
-                self._user_docs.pop(next(iter(self._user_docs)))
-            return docs
+            if self._scopes is None:
+                from kvmemory.documents import Scopes
+                self._scopes = Scopes(self.rt, lambda: self.documents.embedder)
+            return self._scopes
 
     def drop_user_documents(self, scope) -> None:
-        with self._lock:
-            self._user_docs.pop(scope.prefix, None)
-
-    @_locked
-    def add_scoped(self, docs, text: str, doc_id: str, source: str = ""):
-        """Deposit a document into the scope of `docs` (a user's turns: ChatMemory.remember)."""
-        self.require_store()
-        return docs.add(text, doc_id, source=source)
+        """Unload a user's indexes (they load again on the user's next request)."""
+        self.scopes.drop(scope)
 
     # ------------------------------------------------------------------ verified-solution library
     @property
@@ -511,7 +431,7 @@ class Memory:
         """The Library of solved examples (kvmemory.library), created on first use."""
         if self._library is None:
             from kvmemory.library import Library
-            self._library = Library(self)
+            self._library = Library(self.rt)
         return self._library
 
     @_locked
@@ -542,7 +462,7 @@ class Memory:
         until one verifies, and a verified one is learned (learn=True). examples_as="text" re-prefills the same examples as text (baseline);
         reuse=False never answers from a stored solution of the same problem."""
         from kvmemory.library import solve
-        return solve(self, self.library, problem, verify=verify, k=k, attempts=attempts,
+        return solve(self.rt, self.library, problem, verify=verify, k=k, attempts=attempts,
                      max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, examples_as=examples_as,
                      learn=learn, reuse=reuse, recompute=recompute)
 
@@ -573,11 +493,3 @@ class Memory:
         store = self.require_store()
         store.refresh()
         return describe(store, with_states)
-
-def _bar(progress: bool, desc: str, total: int | None = None, unit: str = "tok"):
-    """A tqdm bar when asked for and stderr is a terminal; None otherwise."""
-    import sys
-    if not progress or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True)

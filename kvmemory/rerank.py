@@ -32,9 +32,9 @@ from dataclasses import replace
 
 import torch
 
-from kvmemory import kv as kvops
-from kvmemory.batching import room_of
+from kvmemory import graft
 from kvmemory.retrieve import Ranked
+from kvmemory.runtime import Runtime
 from kvmemory.window import plan
 
 GROUP = 8          # candidates scored in one pass: their windows' KV is held at once (~46 KB a token)
@@ -65,33 +65,30 @@ def questions_loglik(model, caches: list, q_ids: list[int], span: tuple[int, int
     return out
 
 
-def rerank(mem, docs, q_ids: list[int], ranked: list[Ranked], n: int) -> tuple[list[Ranked], dict]:
+def rerank(rt: Runtime, docs, q_ids: list[int], ranked: list[Ranked], n: int) -> tuple[list[Ranked], dict]:
     """ranked[:n] re-ordered by the question's likelihood behind each (best first; the score is
     that mean log-probability, ranks["fused"] the block's place before); the rest of `ranked`
     is dropped. Also the cost: {"blocks", "tokens_restored", "tokens_prefilled", "seconds"}."""
-    from kvmemory.ask import build_window, candidates
-
     t0 = time.perf_counter()
     head = ranked[:n]
     if len(head) <= 1:
         return head, {"blocks": 0, "tokens_restored": 0, "tokens_prefilled": 0, "seconds": 0.0}
-    cands, context = candidates(mem, docs, head, expand=True)
+    cands, context = graft.candidates(rt, docs, head, expand=True)
     prelude_kv = docs.prelude_kv()
     p = len(docs.prelude.ids)
-    geo = mem.geometry
-    mem.require_store().verified_meta(sorted({c.row for c in cands} | {x.row for v in context.values() for x in v}))
+    geo = rt.geometry
+    rt.store().verified_meta(sorted({c.row for c in cands} | {x.row for v in context.values() for x in v}))
     span = docs.prelude.question_span(q_ids)
-    scored, restored = [], 0
+    scored: list[tuple[float, Ranked]] = []
+    restored = 0
     for g in range(0, len(head), GROUP):                 # GROUP candidates' questions in one pass
         caches = []
         for c in cands[g:g + GROUP]:
             w = plan([c], p, len(q_ids), 1, geo.max_positions, 1, context)
-            buf, _ = build_window(mem, docs, w, prelude_kv, room=span[1])   # room for the question's KV
+            buf, _ = graft.window_kv(rt, w, prelude_kv, room=span[1])   # room for the question's KV
             restored += w.context_tokens - p
-            cache = kvops.make_cache(buf[:, :, :, :w.context_tokens], mem.model.config, copy=False)
-            room_of(cache, buf)
-            caches.append(cache)
-        scored += zip(questions_loglik(mem.model, caches, q_ids, span), head[g:g + GROUP])
+            caches.append(graft.view_cache(rt, buf, w.context_tokens))
+        scored += zip(questions_loglik(rt.model, caches, q_ids, span), head[g:g + GROUP])
     order = sorted(range(len(scored)), key=lambda i: -scored[i][0])
     out = [replace(scored[i][1], score=scored[i][0],
                    ranks={**scored[i][1].ranks, "fused": i + 1},

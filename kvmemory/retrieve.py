@@ -17,6 +17,8 @@ from kvmemory.index import NEEDS, SELECTORS
 from kvmemory.index import keys as keysel
 from kvmemory.index import windows as win
 from kvmemory.index.fusion import best_per_block, rrf
+from kvmemory.runtime import Runtime
+from kvmemory.text import text_ids
 
 # windows fetched from each index per block wanted: several windows of one block may lead
 WINDOWS_PER_BLOCK = 8
@@ -44,7 +46,7 @@ def check_selector(selector: str) -> None:
         raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
 
 
-def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, doc_filter=None) -> list[Ranked]:
+def rank_blocks(rt: Runtime, docs, question: str, selector: str = "text", n: int = 32, doc_filter=None) -> list[Ranked]:
     """The n best live blocks for a question, best first. doc_filter(doc_id) -> bool limits the
     ranking to some documents (the indexes are searched deeper to find them)."""
     check_selector(selector)
@@ -64,9 +66,8 @@ def rank_blocks(mem, docs, question: str, selector: str = "text", n: int = 32, d
         elif kind == "bm25":
             hits = idx.search(question, pool)
         else:
-            g = mem.geometry
-            from kvmemory.documents import text_ids
-            qv = keysel.query_vector(mem.model, text_ids(mem.tokenizer, question), docs.key_layer, g.kv_heads,
+            g = rt.geometry
+            qv = keysel.query_vector(rt.model, text_ids(rt.tokenizer, question), docs.key_layer, g.kv_heads,
                                      g.head_dim)
             hits = idx.search(qv, pool)
         hits = [h for h in hits if win.row_of(h[0]) in live]

@@ -125,7 +125,8 @@ def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int,
     if max_context_tokens is not None:
         budget = min(budget, max_context_tokens)
     chosen: dict[int, Candidate] = {}
-    used, picked = 0, []
+    used = 0
+    picked: list[Candidate] = []
     for c in sorted(candidates, key=lambda c: -c.score):
         if len(picked) == top_k:
             break

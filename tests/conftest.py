@@ -62,9 +62,16 @@ def make_tiny(tokenizer, seed: int, layers: int = 2):
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, real_model) -> Path:
+def tokenizer(default_dir):
+    """The default model's tokenizer, from its files alone (the weights are not loaded)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> Path:
     """A local transformers directory with a tiny random model and the real tokenizer."""
-    _, tok = real_model
+    tok = tokenizer
     d = tmp_path_factory.mktemp("tiny-model")
     make_tiny(tok, seed=1).save_pretrained(d)
     tok.save_pretrained(d)
@@ -80,3 +87,19 @@ def tiny(tiny_dir, cache_dir):
 @pytest.fixture
 def store_path(tmp_path) -> Path:
     return tmp_path / "s.kvm"
+
+
+@pytest.fixture
+def make_memory(tmp_path, tiny):
+    """A factory of Memory objects: make_memory(name="s.kvm", model=tiny, **kwargs) opens (or creates)
+    tmp_path/name with the tiny model unless another is given; every one is closed at the end."""
+    import kvmemory
+    made = []
+
+    def make(name: str = "s.kvm", model=None, **kwargs):
+        m = kvmemory.Memory(tmp_path / name, model=tiny if model is None else model, **kwargs)
+        made.append(m)
+        return m
+    yield make
+    for m in made:
+        m.close()

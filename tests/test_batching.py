@@ -445,7 +445,7 @@ def test_the_server_decodes_requests_in_flight_together(tmp_path, tiny, rng, mod
     pytest.importorskip("uvicorn")
     import kvmemory
     from kvmemory.server import create_app
-    from tests.test_server import _start, words
+    from tests.server.test_server import _start, words
 
     invariant = "invariant" in mode
     model = (in_mode(tiny[0], mode), tiny[1])         # installed in a copy (idempotent: Memory installs it again)
@@ -525,7 +525,7 @@ def test_asks_in_flight_decode_together_as_each_would_alone(tmp_path, tiny, rng,
     pytest.importorskip("uvicorn")
     import kvmemory
     from kvmemory.server import create_app
-    from tests.test_server import _start, words
+    from tests.server.test_server import _start, words
 
     invariant = mode != "default"
     model = (in_mode(tiny[0], mode), tiny[1])
@@ -568,7 +568,7 @@ def test_a_deposit_gives_way_to_a_question_between_blocks(tmp_path, tiny, rng):
     meanwhile from another thread finishes while the deposit is still running, and the deposit's
     blocks are the bytes of the same deposit run alone."""
     import kvmemory
-    from tests.test_server import words
+    from tests.server.test_server import words
     text = words(rng, 6000)
     ref = kvmemory.Memory(tmp_path / "ref.kvm", model=tiny, segment_blocks=1)
     ref.add(text, doc_id="long")
@@ -620,7 +620,7 @@ def test_a_reply_is_saved_after_its_response_once_with_the_next_turn_or_when_idl
     from kvmemory.config import StoreConfig
     from kvmemory.server import create_app
     from kvmemory.server.chat import IDLE_GRACE_S
-    from tests.test_server import _start, words
+    from tests.server.test_server import _start, words
 
     system = {"role": "system", "content": words(rng, 80, "Be brief.")}
     asks = [words(rng, 12, f"turn{i}") for i in range(3)]
@@ -763,7 +763,7 @@ def test_a_chat_saves_its_prompts_whole_forwards_and_feeds_the_rest_to_the_batch
     import kvmemory
     from kvmemory.config import StoreConfig
     from kvmemory.server import chat as chat_mod, create_app
-    from tests.test_server import _start, words
+    from tests.server.test_server import _start, words
 
     C, Q = 64, 16
     mem = kvmemory.Memory(tmp_path / "q.kvm", model=tiny, store_config=StoreConfig(block_tokens=C, prefill_tokens=Q))

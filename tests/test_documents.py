@@ -5,7 +5,7 @@ import torch
 
 import kvmemory
 from kvmemory import kv as kvops
-from kvmemory.ask import build_window
+from kvmemory.graft import window_kv
 from kvmemory.errors import DocumentNotFoundError, EmptyStoreError
 from kvmemory.errors import InputError, WindowExceededError
 from kvmemory.rope import rotate, shift_cos_sin
@@ -96,7 +96,7 @@ def test_window_grafts_native_positions_exactly_and_rerotates_others(mem, rng):
     # segment 2 at the same deposit position but lands in slot 1: shifted by one block
     w = plan([cands[0], cands[2]], len(docs.prelude.ids), len(q), 4, 8192, 2)
     assert [s.shift for s in w.slots] == [0, 256]
-    kv, _ = build_window(mem, docs, w, docs.prelude_kv())           # [L, 2, H, T, D]
+    kv, _ = window_kv(mem.rt, w, docs.prelude_kv())           # [L, 2, H, T, D]
     stored = mem.states_room.read_chain([rows[0]]), mem.states_room.read_chain([rows[2]])
     p = len(docs.prelude.ids)
     k, v = kv[:, 0], kv[:, 1]
@@ -187,8 +187,8 @@ def test_fusion_and_bm25_find_rare_identifiers(mem, rng):
         # a block counts if the code is in its text or in the lead its first window carries (32 MiniLM
         # pieces: ~36 model tokens of these lines, more where the pieces of a code split unlike its tokens)
         gold = {i for i in range(-(-len(ids) // C)) if code in mem.tokenizer.decode(ids[max(0, i * C - 64):(i + 1) * C])}
-        fused = [live[h.row][2] for h in rank_blocks(mem, mem.documents, q, "text", n=2)]
-        bm25 = [live[h.row][2] for h in rank_blocks(mem, mem.documents, q, "bm25", n=1)]
+        fused = [live[h.row][2] for h in rank_blocks(mem.rt, mem.documents, q, "text", n=2)]
+        bm25 = [live[h.row][2] for h in rank_blocks(mem.rt, mem.documents, q, "bm25", n=1)]
         assert gold & set(fused), f"fusion missed {code}"
         assert gold & set(bm25), f"BM25 did not rank {code}'s block first"
 

@@ -58,14 +58,14 @@ def test_e3_native_slot_graft_is_the_stored_state_exactly(tmp_path, real_model):
         mem.add(text, doc_id="log")
         docs = mem.documents
         row = mem.store.manifest.docs["log"].rows[0]
-        from kvmemory.ask import build_window
+        from kvmemory.graft import window_kv
         from kvmemory.window import Candidate, plan
         meta = mem.store.block_meta([row])
         c = Candidate(row, "log", 0, 0, int(meta["n_tokens"][0]), int(meta["positions"][0][0]), 1.0)
         q = docs.prelude.question_ids("Who logs the ships?")
         w = plan([c], len(docs.prelude.ids), len(q), 8, 8192, 1)
         assert w.slots[0].shift == 0
-        kv, _ = build_window(mem, docs, w, docs.prelude_kv())
+        kv, _ = window_kv(mem.rt, w, docs.prelude_kv())
         cache = kvops.make_cache(kv, mem.model.config)
         chain = mem.store.chain(row)
         stored = kvops.make_cache(mem.states_room.read_chain(chain), mem.model.config)
@@ -139,7 +139,7 @@ def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model
         graft = mem.ask(q, top_k=3, recompute=0.0, expand=False, max_new_tokens=8, min_relevance=0.0)
         assert [s.candidate.row for s in full.window.slots] == [s.candidate.row for s in graft.window.slots]
         assert full.stats["rerotated_slots"] >= 1
-        from kvmemory.ask import window_tokens
+        from kvmemory.graft import window_tokens
         ids = mem.documents.prelude.ids + window_tokens(mem.store, full.window) + \
             mem.documents.prelude.question_ids(q)
         with torch.inference_mode():
@@ -168,7 +168,7 @@ def test_seams_as_long_as_the_runs_equal_re_prefilling_and_best_last_orders_the_
         inexact = st["tokens_restored"] - p - st["tokens_exact"]
         assert inexact > 0 and st["tokens_seam"] == st["tokens_recomputed"] == inexact
         assert some.stats["tokens_seam"] == some.stats["tokens_recomputed"] == 16 * len(some.window.seam_positions(1))
-        from kvmemory.ask import window_tokens
+        from kvmemory.graft import window_tokens
         ids = mem.documents.prelude.ids + window_tokens(mem.store, whole.window) + mem.documents.prelude.question_ids(q)
         with torch.inference_mode():
             ref = mem.model(input_ids=torch.tensor([ids])).logits[0, -1].float()

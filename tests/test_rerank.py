@@ -39,8 +39,8 @@ def test_rerank_scores_equal_a_fresh_prefill_of_each_segment_prefix(request, rng
     docs, C = mem.documents, mem.block_tokens
     q = "What is the vault code?"
     q_ids = docs.prelude.question_ids(q)
-    pool = rank_blocks(mem, docs, q, "text", n=16)
-    out, cost = rerank(mem, docs, q_ids, pool, 5)
+    pool = rank_blocks(mem.rt, docs, q, "text", n=16)
+    out, cost = rerank(mem.rt, docs, q_ids, pool, 5)
     assert len(out) == 5 and {h.row for h in out} == {h.row for h in pool[:5]}
     assert [h.score for h in out] == sorted((h.score for h in out), reverse=True)
     span = docs.prelude.question_span(q_ids)
@@ -65,7 +65,7 @@ def test_rerank_scores_equal_a_fresh_prefill_of_each_segment_prefix(request, rng
         else:
             assert abs(fresh - h.score) < 1e-4
         assert h.scores["rerank"] == h.score and h.ranks["fused"] >= 1
-    again, _ = rerank(mem, docs, q_ids, pool, 5)
+    again, _ = rerank(mem.rt, docs, q_ids, pool, 5)
     assert [(h.row, h.score) for h in again] == [(h.row, h.score) for h in out]    # deterministic
 
 
@@ -77,7 +77,7 @@ def test_ask_with_rerank_grafts_the_reranked_best_and_the_margin_decides_the_sec
     assert st["reranked"]["blocks"] == 6 and st["timings_s"]["rerank"] > 0
     assert st["blocks_selected"] == 1                                 # margin 0: only the best (no ties here)
     docs = mem.documents
-    best, _ = rerank(mem, docs, docs.prelude.question_ids(q), rank_blocks(mem, docs, q, "text", n=16), 6)
+    best, _ = rerank(mem.rt, docs, docs.prelude.question_ids(q), rank_blocks(mem.rt, docs, q, "text", n=16), 6)
     assert [s.candidate.row for s in a.window.slots if s.candidate.selected] == [best[0].row]
     wide = mem.ask(q, top_k=2, rerank=6, rerank_margin=100.0, min_relevance=0.0, max_new_tokens=3)
     alone = mem.ask(q, top_k=2, rerank=6, min_relevance=1.0, max_new_tokens=3)   # only exact BM25 ties contend

@@ -27,8 +27,11 @@ import xxhash
 
 from kvmemory import prompts
 from kvmemory.chat_memory.turns import TURN
-from kvmemory.documents import USER_DOCS, PromptLayout, Scope
+from kvmemory.documents import Scopes
 from kvmemory.errors import InputError
+from kvmemory.options import check_recompute
+from kvmemory.prelude import USER_DOCS, PromptLayout, Scope
+from kvmemory.runtime import Runtime
 
 USERS_DIR = "users"
 # the fraction of a window's recalled-turn tokens recomputed (CacheBlend): measured on two fresh draws
@@ -105,9 +108,9 @@ class ChatMemory:
     """layout: how recalled turns sit in a window (kvmemory/chat_memory/window.py), and so what their
     blocks were computed behind; one per store (LAYOUTS)."""
 
-    def __init__(self, mem, user: str, layout: str | None = None, key: str | None = None,
+    def __init__(self, rt: Runtime, scopes: Scopes, user: str, layout: str | None = None, key: str | None = None,
                  recompute: float | None = None) -> None:
-        self.mem, self.user = mem, user
+        self.rt, self.scopes, self.user = rt, scopes, user
         self.key = user_key(user) if key is None else key
         self.layout = LAYOUT if layout is None else layout
         if self.layout not in LAYOUTS:
@@ -117,12 +120,12 @@ class ChatMemory:
         if self.layout == "system":
             # inside a system message of their own, as the window shows them: its opening (naming the
             # user's key: the salt of every block) before them, its end after
-            head, self.foot_text = prompts.system_around(mem.tokenizer, f"{HEADER} (memory {self.key}):\n" + mark,
+            head, self.foot_text = prompts.system_around(rt.tokenizer, f"{HEADER} (memory {self.key}):\n" + mark,
                                                          mark)
         else:
             # after a system note naming the user's key (the salt of every block), in a user turn;
             # grafted alone, right after the conversation
-            head, _ = prompts.split_at(mem.tokenizer, f"{NOTE} (memory {self.key}).", mark, mark)
+            head, _ = prompts.split_at(rt.tokenizer, f"{NOTE} (memory {self.key}).", mark, mark)
             self.foot_text = ""
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
@@ -130,7 +133,6 @@ class ChatMemory:
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
-        from kvmemory.ask import check_recompute
         self.recompute = RECOMPUTE if recompute is None else recompute
         check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
@@ -138,7 +140,7 @@ class ChatMemory:
 
     @property
     def docs(self):
-        return self.mem.user_documents(self.scope)
+        return self.scopes.get(self.scope)
 
     # ------------------------------------------------------------------ writes
     def remember(self, messages: list[dict], session: str, when: float | None = None) -> list[str]:
@@ -148,7 +150,7 @@ class ChatMemory:
         if not isinstance(session, str) or not session:
             raise InputError("remember needs the session the turns belong to")
         when = time.time() if when is None else float(when)
-        have = self.mem.require_store().manifest.docs
+        have = self.rt.store().manifest.docs
         added, n = [], 0
         for i in range(len(messages) - 1):
             u, a = messages[i], messages[i + 1]
@@ -164,7 +166,8 @@ class ChatMemory:
             if doc_id in have or not text.strip():
                 continue
             source = json.dumps({"session": session, "turn": n, "time": when})
-            self.mem.add_scoped(self.docs, text, doc_id, source)
+            with self.rt.lock:
+                self.docs.add(text, doc_id, source=source)
             added.append(doc_id)
         return added
 
@@ -197,13 +200,13 @@ class ChatMemory:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
         if not isinstance(query, str) or not query.strip():
             return []
-        store = self.mem.require_store()
+        store = self.rt.store()
         store.refresh()
         docs = self.docs
         if not docs.live_map():
             return []
         skip = f"{self.prefix}{session_key(exclude_session)}:" if exclude_session else None
-        ranked = rank_blocks(self.mem, docs, query, "text", n=4 * k,
+        ranked = rank_blocks(self.rt, docs, query, "text", n=4 * k,
                              doc_filter=(lambda d: not d.startswith(skip)) if skip else None)
         live, best = docs.live_map(), {}
         for h in ranked:
@@ -219,9 +222,9 @@ class ChatMemory:
         return sorted(out, key=lambda r: (r.time, r.turn))
 
     def _text(self, rows) -> str:
-        meta = self.mem.require_store().block_meta(list(rows))
+        meta = self.rt.store().block_meta(list(rows))
         ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
-        return self.mem.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.rt.tokenizer.decode(ids, skip_special_tokens=True)
 
     def reply(self, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
               k: int = 3, remember: bool = True):
@@ -230,7 +233,7 @@ class ChatMemory:
         system message (the text-memory baseline), "none" recalls nothing. Remembers the exchange
         under `session` (remember=True). Returns (text, stats)."""
         from kvmemory.chat_memory.window import reply
-        return reply(self.mem, self, messages, session, max_new_tokens, as_, k, remember)
+        return reply(self.rt, self, messages, session, max_new_tokens, as_, k, remember)
 
     def state_label(self, session: str | None) -> str:
         """The label of the states a chat of this user saves (its conversations): forget finds them by it."""
@@ -243,7 +246,7 @@ class ChatMemory:
         next forget finishes it); their rows leave the user's indexes (or, should a crash come
         first, at the indexes' next load); `gc` then deletes their bytes. Forgetting everything also
         removes the user's index files (gc removes those of a user with no turns left)."""
-        store = self.mem.require_store()
+        store = self.rt.store()
         store.refresh()
         want = self.prefix if session is None else f"{self.prefix}{session_key(session)}:"
         ids = [d for d in store.manifest.docs if d.startswith(want)]
@@ -254,6 +257,6 @@ class ChatMemory:
         n = self.docs.remove_all(ids, states=states)
         if session is None:
             with store.write_lock():
-                shutil.rmtree(self.mem.path / USERS_DIR / self.key, ignore_errors=True)
-            self.mem.drop_user_documents(self.scope)
+                shutil.rmtree(self.rt.path / USERS_DIR / self.key, ignore_errors=True)
+            self.scopes.drop(self.scope)
         return Forgotten(n, len(states))

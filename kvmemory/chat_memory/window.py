@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemory import kv as kvops, prompts
-from kvmemory.chat_memory.graft import graft_after
+from kvmemory import graft, kv as kvops, prompts
 from kvmemory.chat_memory.turns import said
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, WindowExceededError
+from kvmemory.runtime import Runtime
 
 RECALL_TURNS = 3
 QUOTE_HEAD = "What this user said in earlier conversations:\n"     # the text baseline's heading
@@ -57,7 +57,7 @@ def quoted(messages: list[dict], hits) -> list[dict]:
     return [{"role": "system", "content": note}] + messages
 
 
-def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
+def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
           k: int = RECALL_TURNS, label: str | None = None, extra=(), owner: str | None = None) -> Window:
     """The window of `messages` for user memory `cm` (ChatMemory). Recalled turns exclude `session`'s
     own (they are in its prompt); `extra` are Recall objects to add (older turns of this session)."""
@@ -72,59 +72,53 @@ def build(mem, cm, messages: list[dict], session: str | None, max_new_tokens: in
         seen = {h.doc_id for h in hits}
         hits = sorted(hits + [h for h in extra if h.doc_id not in seen], key=lambda h: (h.time, h.turn))[-k:]
     recall_s = time.perf_counter() - t0
-    limit = mem.geometry.max_positions
+    limit = rt.geometry.max_positions
     label = label or "kvmemory:chat"
-    parts = split(mem.tokenizer, messages) if as_ == "kv" and hits else None
+    parts = split(rt.tokenizer, messages) if as_ == "kv" and hits else None
     if parts is None:                                     # quoted as text (or nothing recalled)
         msgs = quoted(messages, hits) if hits else messages
-        ids = prompts.chat_ids(mem.tokenizer, msgs)
+        ids = prompts.chat_ids(rt.tokenizer, msgs)
         while hits and len(ids) + max_new_tokens > limit:
             hits = _drop_least(hits)
-            ids = prompts.chat_ids(mem.tokenizer, quoted(messages, hits) if hits else messages)
+            ids = prompts.chat_ids(rt.tokenizer, quoted(messages, hits) if hits else messages)
         _fits(len(ids), max_new_tokens, limit)
-        prefix = mem.save(ids[:-1], label=label, owner=owner) if len(ids) > 1 else None
-        cache = prefix.cache() if prefix is not None else kvops.make_cache(None, mem.model.config)
-        logits = kvops.last_logits(mem.model, ids_tensor(ids[-1:], mem.model), cache)
+        prefix = rt.save(ids[:-1], label=label, owner=owner) if len(ids) > 1 else None
+        cache = prefix.cache() if prefix is not None else kvops.make_cache(None, rt.model.config)
+        logits = kvops.last_logits(rt.model, ids_tensor(ids[-1:], rt.model), cache)
         cached = prefix.reused_tokens if prefix is not None else 0
-        saved = ids if not hits else prompts.chat_ids(mem.tokenizer, messages)
+        saved = ids if not hits else prompts.chat_ids(rt.tokenizer, messages)
         return Window(saved, cache, logits, cached, [prefix.id] if prefix is not None else [], hits,
                       _stats(hits, cached, 0, 0, len(ids) - cached, len(ids), recall_s))
     prefix_ids, tail = parts
     while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + max_new_tokens > limit:
         hits = _drop_least(hits)
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
-    g = mem.geometry
+    g = rt.geometry
     if prefix_ids:
-        prefix = mem.save(prefix_ids, label=label, owner=owner)
+        prefix = rt.save(prefix_ids, label=label, owner=owner)
         prefix_kv, cached, states = prefix.kv, prefix.reused_tokens, [prefix.id]
     else:
-        prefix_kv = torch.zeros((g.layers, 2, g.kv_heads, 0, g.head_dim), dtype=mem.kv_dtype)
+        prefix_kv = torch.zeros((g.layers, 2, g.kv_heads, 0, g.head_dim), dtype=rt.kv_dtype)
         cached, states = 0, []
     # the recall's own system message: its opening is the user's prelude state (the tokens every
     # turn was computed behind), grafted with the turns, so each turn keeps its relative position
     # to it; the message's end and the new message are all that is prefilled
     head = []
     if cm.graft_head:
-        _, last = cm.docs._prelude_state()
-        head = mem.require_store().chain(last)
-    foot = (mem.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
+        _, last = cm.docs.prelude_state()
+        head = rt.store().chain(last)
+    foot = (rt.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
     rows = head + [r for h in hits for r in h.rows]
-    kv, grafted, rerotated, _ = graft_after(mem, prefix_kv, rows, mem.documents.freqs)
-    recomputed = 0
-    if cm.recompute > 0 and grafted:
-        # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
-        # conversation before them; the prefix stays exact
-        from kvmemory.blend import blend_prefill
-        meta = mem.require_store().block_meta(rows)
-        ctx_ids = list(prefix_ids) + [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
-        r = min(1.0, cm.recompute * grafted / len(ctx_ids))          # of the grafted tokens, not the window
-        logits, kv, bs = blend_prefill(mem.model, kv.to(mem.model.device), ctx_ids, foot, r,
-                                       exact_tokens=len(prefix_ids))
-        recomputed = bs.recomputed
-        cache = kvops.make_cache(kv, mem.model.config)
-    else:
-        cache = kvops.make_cache(kv.to(mem.model.device), mem.model.config)
-        logits = kvops.last_logits(mem.model, ids_tensor(foot, mem.model), cache)
+    kv, grafted, rerotated = graft.after(rt, prefix_kv, rows)
+    # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
+    # conversation before them; the prefix stays exact. r: of the grafted tokens, not the window
+    r = min(1.0, cm.recompute * grafted / (len(prefix_ids) + grafted)) if grafted else 0.0
+
+    def ctx_ids():
+        meta = rt.store().block_meta(rows)
+        return list(prefix_ids) + [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    done = graft.prefill_tail(rt, kv, foot, recompute=r, ctx_ids=ctx_ids, exact_tokens=len(prefix_ids))
+    cache, logits, recomputed = done.cache, done.logits, done.recomputed
     window = cache.get_seq_length()
     return Window(prefix_ids + tail, cache, logits, cached + grafted - recomputed, states, hits,
                   _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot), window, recall_s,
@@ -153,18 +147,18 @@ def _stats(hits, cached, grafted, rerotated, prefilled, window, recall_s, recomp
 
 
 @torch.inference_mode()
-def reply(mem, cm, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
+def reply(rt: Runtime, cm, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
           k: int = RECALL_TURNS, remember: bool = True):
     """Greedy reply to `messages` with the user's memory; remembers the exchange (remember=True).
     Returns (text, stats): stats has the window's figures and timings (ttft, decode)."""
     t0 = time.perf_counter()
-    with mem.exclusive():
-        w = build(mem, cm, messages, session, max_new_tokens, as_, k, label=cm.state_label(session), owner=cm.key)
+    with rt.lock:
+        w = build(rt, cm, messages, session, max_new_tokens, as_, k, label=cm.state_label(session), owner=cm.key)
         ttft = time.perf_counter() - t0
-        stream = TextStream(mem.tokenizer, strip=True)
-        new = greedy(mem.model, w.cache, w.logits, max_new_tokens, mem.eos_ids, on_token=stream)
+        stream = TextStream(rt.tokenizer, strip=True)
+        new = greedy(rt.model, w.cache, w.logits, max_new_tokens, rt.eos_ids, on_token=stream)
         text = stream.finish(new)
-        mem.save(w.ids + new, label=cm.state_label(session), owner=cm.key)   # next turn
+        rt.save(w.ids + new, label=cm.state_label(session), owner=cm.key)   # next turn
         if remember and session:
             cm.remember(messages + [{"role": "assistant", "content": text}], session)
     return text, {**w.stats, "ttft_s": ttft, "tokens_decoded": len(new), "total_s": time.perf_counter() - t0}

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 
+import dataclasses
+
 from kvmemory.cli.common import KVMemoryError, open_memory, positive_int
-from kvmemory.config import ASK_CONTEXT_TOKENS as CONTEXT_TOKENS, ASK_MIN_RELEVANCE as MIN_RELEVANCE
-from kvmemory.config import ASK_RECOMPUTE as RECOMPUTE, ASK_RERANK as RERANK, ASK_RERANK_MARGIN as RERANK_MARGIN
-from kvmemory.config import ASK_ORDER as ORDER, ASK_SEAM as SEAM, ASK_TOP_K as TOP_K
-from kvmemory.index import SELECTORS
-from kvmemory.window import ORDERS
+from kvmemory.options import CHOICES, HELP, AskOptions
 
 
 def register(add) -> None:
@@ -31,34 +29,7 @@ def register(add) -> None:
              "Select the blocks most relevant to QUESTION, graft them into a fixed-size window in document order "
              "and answer. Prints the answer, then the sources (doc id, token range, score) and timings.", model=True)
     sp.add_argument("question", metavar="QUESTION")
-    sp.add_argument("--top-k", type=int, default=None, metavar="N",
-                    help=f"blocks to select (default {TOP_K}); each comes with the blocks before it in its segment")
-    sp.add_argument("--selector", choices=list(SELECTORS), default="text",
-                    help="text: MiniLM windows + BM25, fused (default); dense, bm25: one of them alone; "
-                         "keys: the model's own keys (opt-in, weaker: see README)")
-    sp.add_argument("--recompute", type=float, default=None, metavar="R",
-                    help=f"fraction of the window's tokens to recompute so grafted blocks see each other "
-                         f"(0..1, default {RECOMPUTE}; 1 = re-prefill the window's text)")
-    sp.add_argument("--min-relevance", type=float, default=None, metavar="F",
-                    help=f"drop selected blocks whose BM25 score is below F x the best block's (0..1, default "
-                         f"{MIN_RELEVANCE})")
-    sp.add_argument("--rerank", type=int, default=None, metavar="N",
-                    help=f"re-rank the first N ranked blocks by the question's likelihood over their stored KV "
-                         f"(default {RERANK}; 0: off)")
-    sp.add_argument("--rerank-margin", type=float, default=None, metavar="M",
-                    help=f"with --rerank, keep a block after the best only within M nats per question token "
-                         f"(default {RERANK_MARGIN})")
-    sp.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
-                    help=f"at most N grafted tokens, whatever the store's size (default {CONTEXT_TOKENS})")
-    sp.add_argument("--seam", type=int, default=None, metavar="N",
-                    help=f"recompute the first N tokens of every grafted run that meets context it was not "
-                         f"computed in, at every layer (default {SEAM}; 0: off)")
-    sp.add_argument("--order", choices=list(ORDERS), default=None,
-                    help=f"document: runs in document order; best_last: the run holding the best block nearest "
-                         f"the question (default {ORDER})")
-    sp.add_argument("--no-expand", action="store_true",
-                    help="graft only the selected blocks, without the blocks before them in their segment")
-    sp.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="default 48")
+    ask_arguments(sp)
     sp.add_argument("--json", action="store_true", help="print answer, sources and stats as JSON")
 
     sp = add("docs", cmd_docs, "list deposited documents", "List the store's documents: id, tokens, blocks, source.")
@@ -73,7 +44,7 @@ def register(add) -> None:
              "Recompute every document block's selection entries (MiniLM windows, BM25 terms, key summaries) "
              "from the store and rewrite the index files "
              "(they are derived data).", model=True)
-    sp.add_argument("--selector", choices=list(SELECTORS), default=None,
+    sp.add_argument("--selector", choices=list(CHOICES["selector"]), default=None,
                     help="only the indexes this selector needs")
 
     sp = add("gc", cmd_gc, "reclaim the disk space of blocks no state or document uses",
@@ -111,12 +82,29 @@ def cmd_add(args) -> int:
     return 0
 
 
+def ask_arguments(sp) -> None:
+    """One flag per AskOptions field (--top-k, ..., --no-expand), its default and help from kvmemory.options."""
+    for f in dataclasses.fields(AskOptions):
+        metavar, text = HELP[f.name]
+        if f.type in (bool, "bool"):
+            sp.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", default=None,
+                            help=f"do not {text}")
+            continue
+        kind = {"int": positive_int if f.name in ("top_k", "max_new_tokens", "max_context_tokens") else int,
+                "float": float, "str": str}[str(f.type)]
+        sp.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, metavar=metavar,
+                        choices=list(CHOICES[f.name]) if f.name in CHOICES else None,
+                        help=f"{text} (default {f.default})")
+
+
+def options_of(args) -> AskOptions:
+    """The AskOptions the flags set (unset ones keep AskOptions' defaults)."""
+    return AskOptions().but(**{f.name: getattr(args, f.name) for f in dataclasses.fields(AskOptions)})
+
+
 def cmd_ask(args) -> int:
     with open_memory(args, read_only=False) as mem:
-        ans = mem.ask(args.question, top_k=args.top_k, selector=args.selector, max_new_tokens=args.max_new_tokens,
-                      recompute=args.recompute, expand=not args.no_expand, min_relevance=args.min_relevance,
-                      rerank=args.rerank, rerank_margin=args.rerank_margin, max_context_tokens=args.max_context_tokens,
-                      seam=args.seam, order=args.order)
+        ans = mem.ask(args.question, options_of(args))
     if args.json:
         print(json.dumps({"text": ans.text, "sources": ans.sources, "stats": ans.stats}, indent=1))
         return 0

@@ -100,12 +100,11 @@ class KVMemoryQA(RunnableSerializable[Any, dict]):
     doc_filter: Callable[[str], bool] | None = None
 
     def _answer(self, question: str, on_text=None) -> dict:
-        from kvmemory.ask import passages
         ans = self.memory.ask(question, top_k=self.top_k, selector=self.selector, max_new_tokens=self.max_new_tokens,
                               recompute=self.recompute, min_relevance=self.min_relevance, on_token=on_text,
                               doc_filter=self.doc_filter)
         stats = {k: v for k, v in ans.stats.items() if k != "ranking"}
-        return {"answer": ans.text, "sources": [to_document(self.memory, p) for p in passages(self.memory, ans)],
+        return {"answer": ans.text, "sources": [to_document(self.memory, p) for p in self.memory.passages(ans)],
                 "stats": stats}
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> dict:

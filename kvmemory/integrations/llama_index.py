@@ -109,12 +109,11 @@ class KVMemoryQueryEngine(BaseQueryEngine):
         return [to_node(self.memory, h) for h in hits]
 
     def _ask(self, question: str, on_text=None) -> tuple[str, list[NodeWithScore], dict]:
-        from kvmemory.ask import passages
         ans = self.memory.ask(question, top_k=self.top_k, selector=self.selector, max_new_tokens=self.max_new_tokens,
                               recompute=self.recompute, min_relevance=self.min_relevance, on_token=on_text,
                               doc_filter=self.doc_filter)
         stats = {k: v for k, v in ans.stats.items() if k != "ranking"}
-        return ans.text, [to_node(self.memory, p) for p in passages(self.memory, ans)], stats
+        return ans.text, [to_node(self.memory, p) for p in self.memory.passages(ans)], stats
 
     def _query(self, query_bundle: QueryBundle):
         question = question_of(query_bundle.query_str)

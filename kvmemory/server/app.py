@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmemory.errors import InputError, KVMemoryError
+from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
 from kvmemory.server.context import Context
 from kvmemory.server.errors import DOCUMENTED, ApiError, from_exception, from_validation
@@ -79,7 +80,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         worker = Worker(queue_size, mem, batch, False)
     c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes,
-                ask_defaults={} if ask_rerank is None else {"rerank": _ask_rerank(ask_rerank)})
+                ask_defaults=AskOptions().but(rerank=None if ask_rerank is None else _ask_rerank(ask_rerank)))
     c.chat.pending = lambda: c.worker.pending
     c.chat.released = lambda: c.worker.released_at
     release_team()          # this thread's OpenMP team (the row scheme's check ran here): the model is served from others

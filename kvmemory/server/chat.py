@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvmemory import kv as kvops, prompts
+from kvmemory.chat_memory.window import RECALL_TURNS
 from kvmemory.decode import TextStream, greedy, sampler
 from kvmemory.model import invariant
 from kvmemory.server.errors import ApiError, bad, check_id
@@ -119,6 +120,16 @@ class ChatService:
                            param="messages", code="context_length_exceeded")
         return head, rest, k
 
+    def fit_with_memory(self, p: ChatParams) -> tuple[list[dict], list[dict]]:
+        """(the messages that fit the window with room for recall, the older exchanges dropped): the
+        system message(s) and the latest turns are kept; the dropped ones go to the memory first."""
+        mem = self.mem
+        room = mem.geometry.max_positions - p.max_tokens - RECALL_TURNS * mem.block_tokens
+        if len(self.ids(p.messages)) <= room:
+            return p.messages, []
+        head, rest, k = self.keep_latest(p, room, from_user=True)
+        return head + rest[k:], rest[:k]
+
     def overflows(self, p: ChatParams, ids: list[int] | None = None) -> bool:
         """Whether the conversation (ids: its tokens, if already known) and its reply exceed the
         window: then its older turns go to the session's memory (session_memory) and come back as
@@ -176,9 +187,9 @@ class ChatService:
                 if p.session is not None:
                     self._fold(session_record(p), ids)
                 if p.user is not None:
-                    w = memory_window(self, p)
+                    w = memory_window(mem, p, mem.chat_memory(p.user), *self.fit_with_memory(p))
                 elif self.overflows(p, ids):                       # its older turns: the session's memory
-                    w = memory_window(self, p, session_memory(mem, p.session))
+                    w = memory_window(mem, p, session_memory(mem, p.session), *self.fit_with_memory(p))
                 else:
                     w = self._prepare(p, ids)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
@@ -206,7 +217,7 @@ class ChatService:
             state = mem.save(w.ids + new, label=w.label or "kvmemory:chat", owner=w.owner) \
                 if save else None
             if p.user is not None:
-                remember(self, p, text)
+                remember(mem, p, text)
         if p.session:
             self.sessions.record(session_record(p), w.states + ([state.id] if state is not None else []),
                                  state.n_tokens if state is not None else len(w.ids) + len(new), w.recalled,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
 from kvmemory.server.jobs import Jobs
 from kvmemory.server.sessions import Sessions
@@ -20,7 +21,7 @@ class Context:
     jobs: Jobs
     sessions: Sessions
     max_body_bytes: int
-    ask_defaults: dict = field(default_factory=dict)   # what an ask that leaves a field unset gets (serve --ask-rerank)
+    ask_defaults: AskOptions = field(default_factory=AskOptions)   # what an ask that leaves a field unset gets
 
     @property
     def model_id(self) -> str:

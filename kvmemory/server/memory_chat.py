@@ -47,7 +47,7 @@ class Prepared:
 def session_memory(mem, session: str) -> ChatMemory:
     """The memory of a session without a user: only its own older turns, in a namespace keyed by the
     session (apart from every user's; forgotten with the session)."""
-    return ChatMemory(mem, f"session {session}", key=session_memory_key(session))
+    return ChatMemory(mem.rt, mem.scopes, f"session {session}", key=session_memory_key(session))
 
 
 def session_record(p) -> str:
@@ -56,29 +56,18 @@ def session_record(p) -> str:
     return p.session if p.user is None else f"{user_key(p.user)}/{p.session}"
 
 
-def _fit_with_memory(service, p, cm) -> list[dict]:
-    """The messages that fit the window with room for recall: the system message(s) and the latest
-    turns; the older exchanges dropped here are remembered first, so recall can bring them back."""
-    mem = service.mem
-    room = mem.geometry.max_positions - p.max_tokens - window.RECALL_TURNS * mem.block_tokens
-    if len(service.ids(p.messages)) <= room:
-        return p.messages
-    head, rest, k = service.keep_latest(p, room, from_user=True)
-    cm.remember(rest[:k], p.session)
-    return head + rest[k:]
-
-
-def memory_window(service, p, cm=None) -> Prepared:
+def memory_window(mem, p, cm: ChatMemory, kept: list[dict], dropped: list[dict]) -> Prepared:
     """The window of a request with a user (cm: the user's memory), or of a session without one
-    that outgrew the window (cm: session_memory)."""
-    mem = service.mem
-    cm = mem.chat_memory(p.user) if cm is None else cm
+    that outgrew the window (cm: session_memory). kept: the messages that fit the window with room
+    for recall, dropped: the older exchanges left out (ChatService.fit_with_memory), remembered here
+    first so that recall can bring them back."""
     label = cm.state_label(p.session)
-    messages = _fit_with_memory(service, p, cm)
+    if dropped:
+        cm.remember(dropped, p.session)
     extra = []
-    if len(messages) < len(p.messages):            # older turns of this very session were dropped
-        extra = [h for h in cm.recall(messages[-1]["content"], k=window.RECALL_TURNS) if h.session == p.session]
-    w = window.build(mem, cm, messages, p.session, p.max_tokens, "kv", label=label, extra=extra, owner=cm.key)
+    if len(kept) < len(p.messages):                # older turns of this very session were dropped
+        extra = [h for h in cm.recall(kept[-1]["content"], k=window.RECALL_TURNS) if h.session == p.session]
+    w = window.build(mem.rt, cm, kept, p.session, p.max_tokens, "kv", label=label, extra=extra, owner=cm.key)
     memory = {"user": p.user, **({} if p.user is not None else {"session": p.session}),
               **{k: v for k, v in w.stats.items() if k != "recall_s"}}
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
@@ -87,7 +76,7 @@ def memory_window(service, p, cm=None) -> Prepared:
                     w.stats["window_tokens"], cm.key)
 
 
-def remember(service, p, reply: str) -> None:
+def remember(mem, p, reply: str) -> None:
     """The finished exchanges of the request, with its reply, into the user's memory (each once)."""
-    service.mem.chat_memory(p.user).remember(p.messages + [{"role": "assistant", "content": reply}],
+    mem.chat_memory(p.user).remember(p.messages + [{"role": "assistant", "content": reply}],
                                              p.session or RECALL_SESSION)

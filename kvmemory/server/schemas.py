@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from kvmemory.index import SELECTORS
+from kvmemory.options import AskOptions
 from kvmemory.window import ORDERS
 
 MAX_STOP = 4
@@ -279,6 +280,10 @@ class AskRequest(BaseModel):
     seam: Annotated[int | None, Field(ge=0, le=4096)] = None
     order: Literal[tuple(ORDERS)] | None = None               # type: ignore[valid-type]
     stream: bool = False
+
+    def options(self, defaults: AskOptions) -> AskOptions:
+        """The request's options: what it sets, over the server's `defaults` (kvmemory.options)."""
+        return defaults.but(**self.model_dump(exclude={"question", "stream"}))
 
 
 class Passage(BaseModel):

@@ -12,6 +12,7 @@
 
 from kvmemory.store.blocks import BlockStore
 from kvmemory.store.commit import Change, NewBlock
-from kvmemory.store.layout import STORAGE_DTYPE, block_digest
+from kvmemory.store.encoding import STORAGE_DTYPE
+from kvmemory.store.layout import block_digest
 
 __all__ = ["BlockStore", "Change", "NewBlock", "STORAGE_DTYPE", "block_digest"]

@@ -22,6 +22,9 @@ import numpy as np
 
 from kvmemory.errors import InputError, StoreError
 from kvmemory.store.manifest import ENCODINGS
+
+# numpy dtype that holds each KV dtype's raw words losslessly (Zarr has no bfloat16)
+STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 FP16_MAX = 65504.0
 ERROR_FIELDS = ("key_rel_error", "value_rel_error", "kl")   # the per-block error array's columns
 
@@ -46,7 +49,6 @@ class Encoding:
 
     @property
     def storage_dtype(self) -> str:
-        from kvmemory.store.layout import STORAGE_DTYPE
         return {"exact": STORAGE_DTYPE[self.kv_dtype], "bf16": "uint16", "fp16": "float16"}[self.name]
 
     def encode(self, words: np.ndarray) -> np.ndarray:

@@ -36,10 +36,9 @@ import zarr
 import zarr.codecs
 
 from kvmemory import hashing
+from kvmemory.store.encoding import get as get_encoding
 from kvmemory.store.manifest import Manifest
 
-# numpy dtype that holds each KV dtype's raw words losslessly (Zarr has no bfloat16)
-STORAGE_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 ROW_CAPACITY = 1 << 32
 META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest")
 ARRAYS = ("kv", *META_ARRAYS)
@@ -71,8 +70,7 @@ def create_arrays(zstore, m: Manifest) -> None:
         codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")]
     elif m.codec == "lz4":
         codecs = [zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")]
-    from kvmemory.store.encoding import get
-    g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=get(m.encoding, m.kv_dtype).storage_dtype,
+    g.create_array("kv", shape=(ROW_CAPACITY, *kv_shape), dtype=get_encoding(m.encoding, m.kv_dtype).storage_dtype,
                    chunks=(1, *kv_shape), shards=(S, *kv_shape), compressors=codecs, fill_value=0)
     meta_codec = [zarr.codecs.ZstdCodec(level=1)]      # the fill of a partly used chunk costs nothing
     for name, shape, dtype, fill in (

@@ -11,7 +11,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 import kvmemory  # noqa: E402
-from tests.test_server import _free_port, _spawn_server, _start  # noqa: E402
+from tests.server.test_server import _free_port, _spawn_server, _start  # noqa: E402
 
 
 @pytest.fixture

@@ -255,13 +255,13 @@ def test_gc_on_s3_is_a_typed_error_and_changes_nothing(s3, tmp_path):
 
 @pytest.mark.real_model
 def test_bench_library_tier_runs(tmp_path):
-    """benchmarks/bench_library_tier.py end to end (its own moto server): warm solves take every
-    example from RAM, cold ones none, and the answers are the same."""
+    """benchmarks/bench_library_tier.py end to end (its own moto server): warm solves take the
+    examples' blocks from the pager's RAM tier, cold ones none, and the answers are the same."""
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "benchmarks/bench_library_tier.py", "--problems", "2", "--seeded", "3",
                         "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("library-tier-*.json")).read_text())
-    assert res["same_answers"] and res["cold"]["states_from_ram"] == 0
-    assert res["warm"]["states_from_ram"] == 2 * 3                  # 2 problems, k = 3 examples each
+    assert res["same_answers"] and res["cold"]["blocks_from_ram"] == 0
+    assert res["warm"]["blocks_from_ram"] >= 2 * 3                 # 2 problems, k = 3 examples of >= 1 block each
     assert res["warm"]["ttft_median"] > 0 and res["cold"]["ttft_median"] > 0

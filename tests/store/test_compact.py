@@ -188,7 +188,7 @@ def test_a_served_compact_store_answers_with_its_error_and_refuses_writes_with_4
     import httpx
 
     from kvmemory.server import create_app
-    from tests.test_server import _start
+    from tests.server.test_server import _start
     d, _, _, _ = pair
     mem = kvmemory.Memory(d / "fp16.kvm", model=tiny)
     srv, t, url = _start(create_app(mem))

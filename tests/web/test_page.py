@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 webdriver = pytest.importorskip("selenium.webdriver")
 
 import kvmemory  # noqa: E402
-from tests.test_server import _start  # noqa: E402
+from tests.server.test_server import _start  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")

@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter, Depends
 
-from kvmemory.ask import passages
+from kvmemory.options import AskOptions
 from kvmemory.server.context import Context, ctx
 from kvmemory.server.errors import from_exception
 from kvmemory.server.schemas import AskRequest, AskResponse
@@ -14,13 +14,11 @@ STREAMED = {200: {"content": {"text/event-stream": {}},
                   "description": "the answer, or with stream: true delta events and a final one"}}
 
 
-def answer(mem, q: AskRequest, emit, defaults: dict | None = None) -> dict:
-    """Memory.ask with the request's settings (unset ones take the server's `defaults`, then ask's);
-    chat memory is not a document."""
-    kw = {**(defaults or {}), **{k: v for k, v in q.model_dump(exclude={"question", "stream"}).items() if v is not None}}
-    ans = mem.ask(q.question, max_new_tokens=kw.pop("max_new_tokens", 48), on_token=emit,
-                  doc_filter=lambda d: not d.startswith(SESSION_DOCS), **kw)
-    return {"answer": ans.text, "sources": passages(mem, ans), "stats": ans.stats}
+def answer(mem, q: AskRequest, emit, defaults: AskOptions = AskOptions()) -> dict:
+    """Memory.ask with the request's settings (unset ones take the server's `defaults`); chat memory
+    is not a document."""
+    ans = mem.ask(q.question, q.options(defaults), on_token=emit, doc_filter=lambda d: not d.startswith(SESSION_DOCS))
+    return {"answer": ans.text, "sources": mem.passages(ans), "stats": ans.stats}
 
 
 @router.post("/v1/ask", response_model=AskResponse, responses=STREAMED)

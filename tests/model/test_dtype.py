@@ -9,7 +9,7 @@ import torch
 
 import kvmemory
 from kvmemory.errors import InputError, ModelMismatchError
-from tests.test_cli import _one_line_error, run, saved
+from tests.cli.test_cli import _one_line_error, run, saved
 from tests.test_exactness import _fresh_prefill
 
 

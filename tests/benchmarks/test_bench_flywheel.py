@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from problems import FAMILIES, draw  # noqa: E402
 
@@ -43,9 +43,9 @@ def test_bench_flywheel_runs(tmp_path):
     assert C["seeded_3_k1"]["examples_mean"] == 1 and C["seeded_3"]["examples_mean"] == 3
     assert 0 < C["seeded_3_k1"]["restored_mean"] < C["seeded_3"]["restored_mean"]
     assert C["seeded_3_k1_text"]["restored_mean"] == 0 and "TTFT text" in p.stdout
-    # with the library's RAM tier off every example is read from the store, and the answers do not change
-    assert all(r["states_from_ram"] == 0 for r in C["seeded_3_cold"]["rows"]) and res["cold_same_answers"]
-    assert sum(r["states_from_ram"] for r in C["seeded_3"]["rows"]) > 0
+    # with the pager's RAM tier off every example is read from the store, and the answers do not change
+    assert all(r["blocks_from_ram"] == 0 for r in C["seeded_3_cold"]["rows"]) and res["cold_same_answers"]
+    assert sum(r["blocks_from_ram"] for r in C["seeded_3"]["rows"]) > 0
     # seeded problems asked again come back from their stored states, right, in a few tokens
     rep = C["repeated"]
     assert rep["n"] == 2 and rep["accuracy"] == 1.0 and all(r["repeated"] for r in rep["rows"])

@@ -393,7 +393,7 @@ def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memo
 
 def _readme_blocks(lang: str) -> list[str]:
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = text.index("## Serving")
     section = text[start:text.index("\n## ", start)]
     return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(lang)]

@@ -277,7 +277,7 @@ def test_a_served_conversation_restores_its_last_turn_whole_and_answers_as_from_
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from kvmemory.server import create_app
-    from tests.test_server import _start, words
+    from tests.server.test_server import _start, words
 
     rng = random.Random(3)
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
