@@ -36,7 +36,6 @@ user's value). JSON + PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import wilson  # noqa: E402
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 
@@ -178,7 +177,7 @@ def correct(q: dict, answer: str) -> bool:
 
 
 def run(args) -> dict:
-    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    seed = seed_of(args)
     rng = random.Random(seed)
     shared: dict = {}
     users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_user(rng, args.sessions, args.filler, shared)
@@ -400,7 +399,7 @@ def main() -> None:
     lay = res["store_layout"]
     stem = out / (f"chat-memory-{time.strftime('%Y-%m-%d')}-s{args.sessions}-{args.layout or 'default'}"
                   f"-b{lay['block_tokens']}-{lay['codec']}")
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_json(stem.with_suffix(".json"), res)
     plot(res, stem.with_suffix(".png"))
     m = res["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; seed {res['seed']}")

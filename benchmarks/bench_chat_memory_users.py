@@ -9,7 +9,6 @@ the same users again (warm), and what a user costs on disk.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import resource
 import statistics
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chat_memory import FILLER, exchange  # noqa: E402
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 
@@ -42,7 +41,7 @@ def main() -> None:
                                                     "mostly padding, which raw blocks keep on disk)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    seed = seed_of(args)
     rng = random.Random(seed)
     from kvmemory.config import StoreConfig
     mem = kvmemory.Memory(Path(tempfile.mkdtemp(prefix="kvm-users-")) / "m.kvm", store_config=StoreConfig(codec=args.codec))
@@ -81,7 +80,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"chat-memory-users-{time.strftime('%Y-%m-%d')}-{args.users}.json"
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res, seed)
     m = res["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores; seed {seed}")
     print(f"{args.users} users x {args.turns} exchanges deposited in {deposit_s:.0f} s; RSS {base:.0f} -> {after:.0f} MiB "

@@ -8,7 +8,6 @@ compare what they write.
 """
 
 import argparse
-import json
 import random
 import subprocess
 import sys
@@ -17,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import describe, seed_of, write_json  # noqa: E402,F401
 
 
 def main() -> int:
@@ -30,11 +30,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.turns < 1:
         raise SystemExit("--turns must be >= 1")
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     r = random.Random(seed)
     import kvmemory
     from benchmarks.bench_serve import text
-    from benchmarks.machine import describe
     from kvmemory.server.chat import ChatParams, ChatService
     from kvmemory.server.sessions import Sessions
     with tempfile.TemporaryDirectory(prefix="kvm-saves-") as tmp:
@@ -61,7 +60,7 @@ def main() -> int:
     print(f"{args.turns} turns, a {tokens}-token conversation: store {store_bytes / 1e6:.1f} MB, "
           f"{res['states']} states, deferred saves {saves_s:.1f} s")
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        write_json(Path(args.out), res, seed)
     return 0
 
 

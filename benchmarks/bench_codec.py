@@ -19,19 +19,17 @@ against restoring it exact (a measure the compaction did not take: fresh inputs)
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, drop_from_page_cache  # noqa: E402
+from common import add_common_args, drop_from_page_cache, finish, plot, seed_of  # noqa: E402
 
 WORDS = ("the of and a to in is was he for it with as his on be at by had are but from or have an they which "
          "one you were all we her she there would their will when who him been has more if no out so said what "
@@ -181,11 +179,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens of fresh text prefilled (KV measured)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--out", default="benchmarks/results")
+    add_common_args(ap)
     ap.add_argument("--tag", default="", help="appended to the result files' names")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
     import torch
 
@@ -202,12 +199,8 @@ def main() -> int:
         table = {"float32": codec_table(blocks32, args.reps), "bfloat16": codec_table(blocks16, args.reps)}
         store = store_reads(text, args.reps, Path(tmp))
         compact = compact_tier(Path(tmp), args.reps, rng, encoding_speed(blocks32, args.reps))
-    res = {"benchmark": "codec", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed,
-           "machine": describe(), "tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store,
-           "compact": compact}
-    out = Path(args.out) / f"codec-{res['date']}{'-' + args.tag if args.tag else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    res = {"tokens": len(ids), "blocks": len(blocks32), "codecs": table, "store": store, "compact": compact}
+    out = finish(res, seed, args, "codec" + (f"-{args.tag}" if args.tag else ""))
     for dt, rows in table.items():
         print(f"\n{dt} KV, {len(ids)} tokens in {len(blocks32)} blocks (seed {seed}):")
         print("| codec | ratio | encode GB/s | decode GB/s |\n|---|---|---|---|")
@@ -229,20 +222,15 @@ def main() -> int:
               f"| {c['fresh_suffix_kl_per_token_max']:.2g} "
               f"({c['fresh_suffix_kl_per_token_mean']:.2g}) | {c['key_rel_error_max']:.2g} / "
               f"{c['value_rel_error_max']:.2g} |")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+
+    def draw(fig):
+        ax = fig.subplots()
         for dt, mk in (("float32", "o"), ("bfloat16", "s")):
             for r in table[dt]:
                 ax.scatter(r["ratio"], r["decode_GBps"], marker=mk)
                 ax.annotate(f"{r['codec']} {dt[:4]}", (r["ratio"], r["decode_GBps"]), fontsize=6)
         ax.set(xlabel="compression ratio", ylabel="decode GB/s", title="lossless codecs on real KV")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        pass
+    plot(out, draw)
     return 0
 
 

@@ -16,7 +16,6 @@ head_dim 16: 64 KB blocks, so per-commit overheads dominate: the hard case for t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_common_args, finish, plot, seed_of  # noqa: E402
 
 GEOMETRY = {"tiny": (2, 2, 16), "default": (30, 3, 64)}   # layers, kv_heads, head_dim
 
@@ -126,37 +126,27 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1 << 20)
     ap.add_argument("--geometry", choices=sorted(GEOMETRY), default="tiny")
     ap.add_argument("--doc-segments", type=int, default=8, help="segments per document (default 8)")
-    ap.add_argument("--seed", type=int, default=None)
+    add_common_args(ap)
     ap.add_argument("--dir", default=None, help="where to build the store (default: a temp dir)")
-    ap.add_argument("--json", default=None, help="default benchmarks/results/commit-cost-DATE.json")
+    ap.add_argument("--json", type=Path, default=None, help="the JSON file (default --out/commit-cost-DATE.json)")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
-    from benchmarks.machine import describe
+    seed = seed_of(args)
     with tempfile.TemporaryDirectory(prefix="kvm-commit-", dir=args.dir) as tmp:
         res = build(Path(tmp) / "s.kvm", args.tokens, args.geometry, args.doc_segments, np.random.default_rng(seed))
-    res.update(seed=seed, machine=describe(), date=time.strftime("%Y-%m-%d"))
-    out = Path(args.json or Path(__file__).parent / "results" / f"commit-cost-{time.strftime('%Y-%m-%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    out = finish(res, seed, args, "commit-cost", args.json)
+
+    def draw(fig):
+        ax = fig.subplots()
         ax.plot(res["segment_ms_all"], ".", ms=2)
         ax.set_xlabel("segment commit #")
         ax.set_ylabel("ms")
         ax.set_title(f"commit time over a {res['tokens']:,}-token build ({args.geometry} geometry)")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        pass
+    plot(out, draw, size=(7, 3.5))
     print(f"| tokens | geometry | segment commits | first 1% ms | last 1% ms | ratio | open empty/full ms | "
           f"info empty/full ms |\n|---|---|---|---|---|---|---|---|\n| {res['tokens']:,} | {args.geometry} | "
           f"{res['segment_commits']} | {res['first_1pct_ms']:.1f} | {res['last_1pct_ms']:.1f} | "
           f"{res['ratio_last_over_first']:.2f} | {res['open_ms_empty']:.0f} / {res['open_ms_full']:.0f} | "
           f"{res['info_ms_empty']:.0f} / {res['info_ms_full']:.0f} |")
-    print(f"wrote {out}")
     return 0
 
 

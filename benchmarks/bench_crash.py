@@ -24,7 +24,6 @@ Writes benchmarks/results/crash-DATE.json and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -34,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import describe, seed_of, write_json  # noqa: E402,F401
 
 WORDS = ("valve pump river stone garden lamp copper orchard harbor signal lantern meadow engine archive "
          "bridge falcon winter ledger compass velvet quarry beacon tunnel summit cedar").split()
@@ -251,9 +251,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"crash-{time.strftime('%Y-%m-%d')}.json")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     print(f"seed {seed}", file=sys.stderr)
-    from benchmarks.machine import describe
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="kvm-crash-") as tmp:
         res = run_trials(args.trials, seed, args.work or Path(tmp))
@@ -261,7 +260,7 @@ def main() -> int:
     res["machine"] = describe()
     res["date"] = time.strftime("%Y-%m-%d")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res, seed)
     keys = ["trials", "killed", "killed_inside_commit", "finished_before_kill", "unreadable_stores",
             "verify_failures", "lost_documents", "lost_states", "ask_failures", "resumed", "resume_failures",
             "blocks_reused_on_resume", "blocks_recomputed_on_resume", "final_verify_failures"]

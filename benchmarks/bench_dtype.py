@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from machine import describe  # noqa: E402
+from common import add_common_args, describe, finish, plot, seed_of  # noqa: E402
 
 SETTINGS = ("float32", "bfloat16, bf16 attention", "bfloat16, float32 attention")
 
@@ -103,12 +100,11 @@ def main() -> int:
     ap.add_argument("--batch-window", type=int, default=300, help="window length of each batched sequence")
     ap.add_argument("--kl-positions", type=int, default=256, help="positions compared with float32")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/dtype-DATE.json")
+    add_common_args(ap, out=False)
+    ap.add_argument("--out", type=Path, default=None, help="the JSON file (default benchmarks/results/dtype-DATE.json)")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
-    print(f"seed {seed}", flush=True)
     from kvmemory.config import RuntimeConfig, from_env
     from kvmemory.model import default_model_dir, load_model
     from kvmemory.model.invariant import InvariantUnavailableError, choose
@@ -160,12 +156,7 @@ def main() -> int:
         print(f"{name}: prefill {r['prefill_tokens_per_s']:.0f} tok/s; decode ms/token "
               + ", ".join(f"{w}: {m:.1f}" for w, m in r["decode_ms"].items())
               + f"; a step of {args.batch} x {args.batch_window}: {r['step_ms']:.1f} ms", flush=True)
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out = args.out or Path(__file__).resolve().parent / "results" / f"dtype-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"date": date, "seed": seed, "machine": describe(), "args": {k: str(v) for k, v in vars(args).items()},
-           "results": res}
-    out.write_text(json.dumps(doc, indent=1))
+    out = finish({"results": res}, seed, args, "dtype", args.out)
     print("\n| | prefill tok/s | " + " | ".join(f"decode ms/token, {w} keys" for w in windows)
           + f" | step of {args.batch} (ms) | KL vs fp32 mean / max | argmax differs |")
     print("|---" * (5 + len(windows)) + "|")
@@ -174,11 +165,8 @@ def main() -> int:
               + f" | {r['step_ms']:.1f} | "
               + (f"{r['kl_vs_float32_mean']:.2g} / {r['kl_vs_float32_max']:.2g} | {r['argmax_differs_share']:.1%} |"
                  if "kl_vs_float32_mean" in r else "(reference) | |"))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    def draw(fig):
+        a1, a2 = fig.subplots(1, 2)
         for name, r in res.items():
             a1.plot(windows, [r["decode_ms"][w] for w in windows], marker="o", label=name)
         a1.set_xlabel("window (keys)")
@@ -189,11 +177,7 @@ def main() -> int:
         a2.set_xticks(range(len(res)), [n.replace(", ", "\n") for n in res], fontsize=8)
         a2.set_ylabel("prefill tokens/s (256-token chunks)")
         fig.suptitle(f"default model, {describe()['cpu']}, {torch.get_num_threads()} threads, seed {seed}")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=100)
-    except ImportError:
-        pass
-    print(f"wrote {out}")
+    plot(out, draw, size=(11, 4), dpi=100)
     return 0
 
 

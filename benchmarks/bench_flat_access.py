@@ -18,7 +18,6 @@ that do not fit the free disk (with a 20% margin) are skipped and reported.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from machine import describe, drop_from_page_cache  # noqa: E402
+from common import describe, drop_from_page_cache, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import hashing  # noqa: E402
@@ -261,7 +260,7 @@ def main() -> None:
     out = Path(args.json) if args.json else Path("benchmarks/results") / \
         f"flat-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result)
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     shutil.rmtree(work, ignore_errors=True)

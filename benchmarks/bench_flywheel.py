@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import wilson  # noqa: E402
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 from problems import FAMILIES, draw  # noqa: E402
 
 import kvmemory  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
         return
     if args.seeded_only and not args.seeded:
         ap.error("--seeded-only needs a seeded library (--seeded N, N > 0)")
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
     checkpoints = sorted({min(int(c), args.stream) for c in args.checkpoints.split(",")})
     evals = draw(rng, args.eval)
@@ -166,7 +166,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"flywheel-{stamp}.json"
-    path.write_text(json.dumps(res, indent=1))
+    write_json(path, res, seed)
     print_table(res, args.n)
     plot(res, args.n, out / f"flywheel-{stamp}.png")
     print(f"\nwrote {path} and {path.with_suffix('.png')}; seed {seed}; {res['elapsed_s']:.0f} s")

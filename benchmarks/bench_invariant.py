@@ -21,13 +21,12 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from common import add_common_args, describe, finish, plot, seed_of  # noqa: E402
 
 
 def _ids(rng, n):
@@ -97,13 +96,11 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded a sequence")
     ap.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=None, help="default: drawn fresh and printed")
-    ap.add_argument("--out", default="benchmarks/results")
+    add_common_args(ap)
     ap.add_argument("--tag", default="")
     ap.add_argument("--modes", default="default,invariant", help="default, invariant, or both (the ratios need both)")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"seed {seed}", flush=True)
+    seed = seed_of(args)
     from kvmemory.model import invariant, load_model
     from kvmemory.config import RuntimeConfig
     model, _, _ = load_model(None, cache_dir=RuntimeConfig().resolved_cache_dir())
@@ -124,37 +121,28 @@ def main() -> int:
     d, i = modes.get("default"), modes.get("invariant")
     ratios = {k: i[k] / d[k] for k in ("prefill_one_pass_tok_s", "prefill_chunked_tok_s", "decode_alone_tok_s",
                                       "decode_batch_tok_s")} if d and i else {}
-    res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
-           "args": vars(args), "install_s": install_s, "modes": modes, "invariant_over_default": ratios,
+    res = {"install_s": install_s, "modes": modes, "invariant_over_default": ratios,
            "chunked_over_one_pass": {k: v["prefill_chunked_tok_s"] / v["prefill_one_pass_tok_s"]
                                      for k, v in modes.items()}}
-    out = Path(args.out) / f"invariant-{res['date']}{'-' + args.tag if args.tag else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    out = finish(res, seed, args, "invariant" + (f"-{args.tag}" if args.tag else ""))
     if ratios:
         print("invariant / default throughput: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
     print("chunked / one pass: " + ", ".join(f"{k} x{v:.2f}" for k, v in res["chunked_over_one_pass"].items()))
-    print(f"wrote {out}")
     if not ratios:
         return 0
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        keys = list(ratios)
-        fig, ax = plt.subplots(figsize=(8, 4))
+    keys = list(ratios)
+    machine = describe()
+
+    def draw(fig):
+        ax = fig.subplots()
         xs = range(len(keys))
         ax.bar([x - 0.2 for x in xs], [d[k] for k in keys], 0.4, label="default kernels")
         ax.bar([x + 0.2 for x in xs], [i[k] for k in keys], 0.4, label="invariant")
         ax.set_xticks(list(xs), [k.replace("_tok_s", "").replace("_", " ") for k in keys], fontsize=8)
         ax.set_ylabel("tokens / s")
-        m = res["machine"]
-        ax.set_title(f"invariant vs default kernels ({m['cpu']}, {m['torch_threads']} threads)")
+        ax.set_title(f"invariant vs default kernels ({machine['cpu']}, {machine['torch_threads']} threads)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        pass
+    plot(out, draw, size=(8, 4))
     return 0
 
 

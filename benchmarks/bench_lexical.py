@@ -20,7 +20,6 @@ window ids).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chat_memory import FACTS, NEVER, filler  # noqa: E402
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 
 from kvmemory.index.lexical import LexicalIndex, terms  # noqa: E402
 
@@ -117,14 +116,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh draw")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
     rows = [run(int(n), args.reps, rng) for n in args.sizes.split(",")]
     res = {"seed": seed, "machine": describe(), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"lexical-{time.strftime('%Y-%m-%d')}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_json(stem.with_suffix(".json"), res, seed)
     m = res["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores; seed {seed}")
     print("| windows | write + next search: bm25s rebuilt (median / p90) | in place (median / p90) | x faster | "

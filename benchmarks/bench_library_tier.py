@@ -8,7 +8,6 @@ tier on), the same problems and examples alternating warm / cold. Needs kvmemory
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -19,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from common import describe, write_json  # noqa: E402
 from problems import draw  # noqa: E402
 from s3server import start_moto  # noqa: E402
 
@@ -76,7 +75,7 @@ def main() -> None:
     print(f"cold / warm {out['cold']['ttft_median'] / out['warm']['ttft_median']:.2f}x; "
           f"same answers: {out['same_answers']}")
     path = Path(args.out) / f"library-tier-{datetime.now():%Y-%m-%d}.json"
-    path.write_text(json.dumps(out, indent=1))
+    write_json(path, out, seed)
     print(f"wrote {path}; seed {seed}")
 
 

@@ -11,7 +11,6 @@ of the four shapes of bench_qa.py every run; every layout answers the same quest
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from datetime import datetime, timezone
@@ -20,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import correct, greedy, needle_blocks, token_offsets, wilson  # noqa: E402
 from haystack import SHAPES, haystack, make_questions  # noqa: E402
-from machine import describe  # noqa: E402
+from common import seed_of, write_json  # noqa: E402
 
 from kvmemory.documents import Prelude, PromptLayout, text_ids  # noqa: E402
 
@@ -48,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
     from kvmemory.config import RuntimeConfig, from_env
     from kvmemory.model import load_model
@@ -88,9 +87,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
-    (out / f"prompt-{stamp}.json").write_text(json.dumps(
-        {"benchmark": "prompt", "seed": seed, "machine": describe(), "questions": n, "layouts": table,
-         "command": " ".join(sys.argv)}, indent=1))
+    write_json(out / f"prompt-{stamp}.json", {"benchmark": "prompt", "questions": n, "layouts": table}, seed)
     print(f"wrote {out}/prompt-{stamp}.json")
 
 

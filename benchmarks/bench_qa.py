@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import random
 import statistics
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from haystack import SHAPES, haystack, make_questions, real_questions  # noqa: E402
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
@@ -352,7 +351,7 @@ def main() -> None:
     args.methods = [m for m in args.methods.split(",") if m]
     args.selectors = [s for s in args.selectors.split(",") if s]
     configs = {f"kvm-{c}": parse_config(c) for c in args.configs.split(",") if c}
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     print(f"seed {seed}", file=sys.stderr)
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="bench-qa-", dir=args.dir))
@@ -388,7 +387,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
-    (out / f"qa-{stamp}.json").write_text(json.dumps(result, indent=1))
+    write_json((out / f"qa-{stamp}.json"), result, seed)
     _plot(rows, out / f"qa-{stamp}.png")
     print(f"wrote {out}/qa-{stamp}.json and .png")
     import shutil

@@ -17,7 +17,6 @@ Prints a table, writes JSON and a PNG.  Usage: python benchmarks/bench_restore.p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, drop_from_page_cache  # noqa: E402
+from common import describe, drop_from_page_cache, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
@@ -175,7 +174,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    (out / f"restore-{stamp}.json").write_text(json.dumps(result, indent=1))
+    write_json((out / f"restore-{stamp}.json"), result)
     _plot(rows, raw, out / f"restore-{stamp}.png", machine)
     print(f"\nwrote {out}/restore-{stamp}.json and .png")
     import shutil

@@ -31,7 +31,6 @@ Usage: python benchmarks/bench_scale.py [--tokens 4096] [--states 8 --state-toke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -41,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from common import describe, seed_of, write_json  # noqa: E402
 from s3server import start_moto  # noqa: E402
 
 import torch  # noqa: E402
@@ -216,7 +215,7 @@ def main() -> int:
     ap.add_argument("--skip-deposit", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "seed": seed, "args": vars(args),
            "machine": describe()}
@@ -233,7 +232,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scale-{res['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_json(stem.with_suffix(".json"), res, seed)
     if "deposit" in res:
         plot(res, stem.with_suffix(".png"))
     print(f"wrote {stem}.json/.png; seed {seed}; {time.perf_counter() - t0:.0f} s")

@@ -14,7 +14,6 @@ its thresholds) against the exact index on the same windows, and the fusion weig
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import needle_blocks, token_offsets  # noqa: E402
 from haystack import haystack, make_questions, real_questions  # noqa: E402
-from machine import describe  # noqa: E402
+from common import seed_of, write_json  # noqa: E402
 
 from kvmemory.documents import text_ids  # noqa: E402
 from kvmemory.index import VectorIndex  # noqa: E402
@@ -65,7 +64,7 @@ def main() -> None:
                          "that) or every installed package's too (~5M tokens: IVF measured on text that does not "
                          "repeat itself, whose copies would tie in every search)")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     print(f"seed {seed}", file=sys.stderr)
     rng = random.Random(seed)
     from transformers import AutoTokenizer
@@ -233,9 +232,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
-    (out / f"select-{stamp}.json").write_text(json.dumps(
-        {"benchmark": "select", "seed": seed, "machine": describe(), "command": " ".join(sys.argv), "rows": rows},
-        indent=1))
+    write_json(out / f"select-{stamp}.json", {"benchmark": "select", "rows": rows}, seed)
     print(f"wrote {out}/select-{stamp}.json")
 
 

@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import describe, seed_of, write_json  # noqa: E402,F401
 
 WORDS = ("harbour ferry lighthouse keeper gull market tide rope anchor lantern fog pier captain cargo "
          "island bell net storm dawn brass scale ledger").split()
@@ -430,10 +431,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None, help="default benchmarks/results/serve-DATE.json")
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seed = seed_of(args)
     rng = random.Random(seed)
     import kvmemory
-    from benchmarks.machine import describe
     from kvmemory.config import StoreConfig
     harbour = ". ".join(f"The {rng.choice(WORDS)} of pier {i} is kept by {rng.choice(WORDS)}" for i in range(150))
     settings, extra = [], {}
@@ -500,7 +500,7 @@ def main() -> int:
            "seconds_per_level": args.seconds, "settings": settings, **extra}
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    write_json(out, res, seed)
     print("| setting | clients | req/s | p50 s | p99 s | 200 | 429 | errors |\n|---|---|---|---|---|---|---|---|")
     for st in settings:
         for r in st["rows"]:

@@ -191,14 +191,14 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "What is my locker code?"}]
     assert alice.recompute == 0.3                            # the default (measured: bench_chat_memory.py)
     alice.recompute = 0.0
-    build(mem, alice, msgs, "new", 8, "kv", k=2)             # the conversation's prefix now stored
-    plain = build(mem, alice, msgs, "new", 8, "kv", k=2)
+    build(mem.rt, alice, msgs, "new", 8, "kv", k=2)             # the conversation's prefix now stored
+    plain = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
     grafted = plain.stats["tokens_grafted"]
     assert grafted > 0 and plain.stats["tokens_recomputed"] == 0 and not alice.graft_head
     windows = {}
     for r in (0.3, 1.0):
         alice.recompute = r
-        w = build(mem, alice, msgs, "new", 8, "kv", k=2)
+        w = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
         windows[r] = w
         assert w.stats["tokens_recomputed"] == round(r * grafted) and w.stats["tokens_grafted"] == grafted
         assert w.stats["tokens_restored"] == plain.stats["tokens_restored"] - round(r * grafted)
@@ -217,7 +217,7 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     assert torch.allclose(w.logits, full.logits[0, -1], atol=1e-3)
     assert not torch.allclose(kvops.cache_slice(plain.cache, 0, n), ref, atol=1e-4, rtol=1e-4)   # grafted: not so
     alice.recompute = 0.0
-    assert torch.equal(build(mem, alice, msgs, "new", 8, "kv", k=2).logits, plain.logits)
+    assert torch.equal(build(mem.rt, alice, msgs, "new", 8, "kv", k=2).logits, plain.logits)
     assert mem.chat_memory("alice", recompute=0.3).recompute == 0.3
     from kvmemory.errors import InputError
     for bad in (1.5, -0.1, True, "0.3"):
