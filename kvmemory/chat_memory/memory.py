@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvmemory import prompts
-from kvmemory.chat_memory.turns import TURN
+from kvmemory.chat_memory.turns import KEEPS, turn_text
 from kvmemory.documents import Scopes
 from kvmemory.errors import InputError
 from kvmemory.options import check_recompute
@@ -65,6 +65,7 @@ NOTE = "Notes from earlier conversations with this user"
 LAYOUTS = ("turns", "system")
 
 LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (README)
+KEEP = "exchange"
 MAX_USER = 200
 
 
@@ -109,12 +110,16 @@ class ChatMemory:
     blocks were computed behind; one per store (LAYOUTS)."""
 
     def __init__(self, rt: Runtime, scopes: Scopes, user: str, layout: str | None = None, key: str | None = None,
-                 recompute: float | None = None) -> None:
+                 recompute: float | None = None, keep: str | None = None) -> None:
         self.rt, self.scopes, self.user = rt, scopes, user
         self.key = user_key(user) if key is None else key
         self.layout = LAYOUT if layout is None else layout
         if self.layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        # what of an exchange remember() keeps (kvmemory/chat_memory/turns.py)
+        self.keep = KEEP if keep is None else keep
+        if self.keep not in KEEPS:
+            raise InputError(f"keep must be one of {KEEPS}, got {keep!r}")
         self.prefix = f"{USER_DOCS}{self.key}:"
         mark = "\u0000KVMEMORY-TURNS\u0000"
         if self.layout == "system":
@@ -159,7 +164,7 @@ class ChatMemory:
             n += 1
             # the date is part of what is kept: questions of time ("which came first?") need it
             day = time.strftime("%Y-%m-%d", time.gmtime(when))
-            text = TURN.format(day=day, user=u["content"], reply=a["content"])
+            text = turn_text(self.keep, day, u["content"], a["content"])
             # the exchange's words name it (not its date): a conversation resent on another day is kept once
             words = f"{u['content']}\u0000{a['content']}"
             doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(words.encode())}"

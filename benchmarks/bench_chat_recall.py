@@ -1,0 +1,301 @@
+"""Chat memory on conversations the model really had: a user tells a fact in their own words, the model
+replies (its own reply, useful or not, is what is remembered), other sessions pass, the memory is
+closed and reopened, and the user asks for the fact in a new session, in another form.
+
+Every assistant turn is the model's reply through ChatMemory.reply, the path users take. Facts come
+in many phrasings: asked to be remembered, said in passing, corrected in a later session (the latest
+value is right, the old one wrong). Distractor sessions (small talk, the model replying) sit between,
+and scripted small talk can pad a user's history to --history-tokens (deposited with remember(),
+no generation).
+
+Conditions, side by side on the same histories and questions:
+
+    none        no memory: the question alone
+    text        the recalled turns quoted as text in the system message (text memory, as mem0-style)
+    kv          the recalled turns grafted as KV (kvmemory's default)
+    kv-user     the same, where a remembered turn keeps the user's words only (ChatMemory(keep="user"))
+    kv-user-end ... closed with <|im_end|> after the grafted turns
+    text-user   the user's words only, quoted as text
+    oracle      the fact as the user last told it, quoted as text (the model's ceiling)
+
+Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
+that continue remembered prose ("You replied", "the user said", a remembered reply repeated), median
+TTFT. JSON + PNG.
+
+    python benchmarks/bench_chat_recall.py --users 10 --facts 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qa import wilson  # noqa: E402
+from common import add_common_args, finish, plot, seed_of  # noqa: E402
+
+NAMES = ["Ingrid", "Tomas", "Aiko", "Mateo", "Leila", "Oskar", "Priya", "Jonas", "Freya", "Ravi", "Elena", "Nils",
+         "Sofia", "Karim", "Hanna", "Diego", "Mira", "Lukas", "Amara", "Viktor", "Astrid", "Bruno", "Chiara", "Dmitri"]
+PETS = ["Pixel", "Biscuit", "Mango", "Rocket", "Juniper", "Pepper", "Nugget", "Waffles", "Clover", "Ziggy"]
+CITIES = ["Bergen", "Lisbon", "Krakow", "Porto", "Tallinn", "Ghent", "Turin", "Malmo", "Lyon", "Graz", "Split"]
+CARS = ["Volvo", "Subaru", "Skoda", "Toyota", "Peugeot", "Mazda", "Kia", "Fiat"]
+JOBS = ["nurse", "carpenter", "librarian", "pilot", "baker", "chemist", "architect", "plumber"]
+COLOURS = ["teal", "amber", "violet", "crimson", "olive", "indigo", "coral", "ochre"]
+FOODS = ["risotto", "dumplings", "paella", "lasagne", "falafel", "ramen", "goulash", "pierogi"]
+MONTHS = ["January", "March", "April", "June", "August", "September", "October", "December"]
+INSTRUMENTS = ["cello", "banjo", "clarinet", "harp", "trumpet", "accordion", "oboe", "ukulele"]
+
+
+def number(rng: random.Random, digits: int = 5) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+# kind: (values, [ways to tell it], [ways to correct it] or [], [ways to ask for it])
+FACTS = {
+    "locker": (lambda r: number(r), ["Please remember this: my locker combination is {v}. Reply with OK.",
+                                     "By the way, the code for my gym locker is {v}."],
+               ["I changed my locker combination, it is {v} now."],
+               ["What is my locker combination? Answer with the number.", "Which number opens my gym locker?"]),
+    "bike": (lambda r: number(r, 4), ["My bike lock code is {v}, in case I forget.", "Note for later: bike lock {v}."],
+             ["New bike lock, the code is {v} now."], ["What is the code of my bike lock?"]),
+    "flat": (lambda r: number(r, 3), ["I live in flat {v}.", "Deliveries should go to flat {v}, that's mine."], [],
+             ["What is my flat number?", "Which flat do I live in?"]),
+    "sister": (lambda r: r.choice(NAMES), ["My sister is called {v}.", "I had lunch with my sister {v} today."], [],
+               ["What is my sister's name?", "Who is my sister?"]),
+    "brother": (lambda r: r.choice(NAMES), ["My younger brother {v} starts university next week."], [],
+                ["What is my brother's name?"]),
+    "manager": (lambda r: r.choice(NAMES), ["My manager {v} asked me to lead the new project."], [],
+                ["Who is my manager?", "What is my manager called?"]),
+    "friend": (lambda r: r.choice(NAMES), ["My best friend {v} is visiting this weekend."], [],
+               ["Who is my best friend?"]),
+    "dog": (lambda r: r.choice(PETS), ["My dog is called {v}.", "I adopted a puppy and named him {v}."], [],
+            ["What is my dog's name?", "What did I name my puppy?"]),
+    "cat": (lambda r: r.choice(PETS), ["Our cat {v} knocked a glass off the table again."], [],
+            ["What is my cat called?"]),
+    "city": (lambda r: r.choice(CITIES), ["I live in {v}.", "Since last year my home has been in {v}."],
+             ["I have moved, I live in {v} now."], ["Which city do I live in?", "Where is my home now?"]),
+    "hometown": (lambda r: r.choice(CITIES), ["I grew up in {v}."], [], ["Which town did I grow up in?"]),
+    "car": (lambda r: r.choice(CARS), ["I drive a {v}.", "My {v} needs new tyres."],
+            ["I sold my old car, I drive a {v} now."], ["What car do I drive?", "Which car do I have now?"]),
+    "job": (lambda r: r.choice(JOBS), ["I work as a {v}.", "Long shift today, being a {v} is tiring."],
+            ["I changed jobs, I am a {v} now."], ["What is my job?", "What do I do for a living?"]),
+    "colour": (lambda r: r.choice(COLOURS), ["My favourite colour is {v}."], [], ["What is my favourite colour?"]),
+    "food": (lambda r: r.choice(FOODS), ["Nothing beats {v}, it's my favourite food."], [],
+             ["What is my favourite food?"]),
+    "month": (lambda r: r.choice(MONTHS), ["I was born in {v}.", "My birthday is in {v}."], [],
+              ["Which month was I born in?", "When is my birthday month?"]),
+    "instrument": (lambda r: r.choice(INSTRUMENTS), ["I play the {v} in a small band."], [],
+                   ["Which instrument do I play?"]),
+    "allergy": (lambda r: r.choice(["peanuts", "shellfish", "pollen", "cats", "penicillin", "kiwi"]),
+                ["Please remember that I am allergic to {v}."], [], ["What am I allergic to?"]),
+    "team": (lambda r: r.choice(["Ajax", "Benfica", "Celtic", "Porto", "Lazio", "Sevilla"]),
+             ["I support {v}, they won last night!"], [], ["Which football team do I support?"]),
+    "pin": (lambda r: number(r, 4), ["The door code at work is {v}."], ["They reset the door code at work to {v}."],
+            ["What is the door code at work?"]),
+}
+SMALL_TALK = ["Can you suggest a quick breakfast?", "How do I keep basil alive indoors?", "Tell me a fun fact about "
+              "octopuses.", "Any tips for sleeping better?", "What is a haiku?", "Recommend a board game for two.",
+              "Why is the sky blue?", "How long should I boil an egg?", "What should I pack for a day hike?",
+              "How can I learn to juggle?", "What's a good stretch after running?", "How do I remove a coffee stain?"]
+CONTINUES = ("you replied", "the user said", "on 20", "user said:", "you said:")
+CONDITIONS = ("none", "text", "kv", "kv-user", "kv-user-end", "text-user", "oracle")
+
+
+def continues_prose(answer: str, replies: list[str]) -> bool:
+    """An answer that continues remembered prose instead of answering: it opens like a remembered turn
+    ("You replied: ...", "On 2026-..., the user said") or repeats a remembered reply's opening."""
+    a = answer.strip().casefold()
+    if any(a.startswith(c) or c in a[:40] for c in CONTINUES):
+        return True
+    return any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in replies)
+
+
+def make_probes(rng: random.Random, n: int) -> list[dict]:
+    """n facts of distinct kinds for one user: how each is told (and maybe corrected) and asked."""
+    out = []
+    for kind in rng.sample(sorted(FACTS), min(n, len(FACTS))):
+        draw, tells, fixes, asks = FACTS[kind]
+        v, how = draw(rng), rng.choice(tells)
+        p = {"kind": kind, "value": v, "phrasing": how, "tell": how.format(v=v), "ask": rng.choice(asks), "old": None}
+        if fixes and rng.random() < 0.35:
+            v2 = draw(rng)
+            while v2 == v:
+                v2 = draw(rng)
+            fix = rng.choice(fixes)
+            p.update(old=v, value=v2, fix=fix.format(v=v2), fix_phrasing=fix)
+        out.append(p)
+    return out
+
+
+def right(p: dict, answer: str) -> bool:
+    a = answer.casefold()
+    return p["value"].casefold() in a and (p["old"] is None or p["old"].casefold() not in a)
+
+
+def told(cms, session: str, text: str, max_new_tokens: int) -> str:
+    """The user says `text` in `session`; the model replies through the default memory (remembered
+    there); the same exchange is remembered by the other keeps. Returns the reply."""
+    reply, _ = cms["exchange"].reply([{"role": "user", "content": text}], session=session,
+                                     max_new_tokens=max_new_tokens)
+    for keep, cm in cms.items():
+        if keep != "exchange":
+            cm.remember([{"role": "user", "content": text}, {"role": "assistant", "content": reply}], session)
+    return reply
+
+
+def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, list[str]]:
+    cms = {"exchange": mem.chat_memory(name), "user": mem.chat_memory(name + "#user", keep="user")}
+    replies, s = [], 0
+    events = [("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
+    rng.shuffle(events)
+    events.sort(key=lambda e: e[0] == "fix")          # every correction after every first telling
+    for what, p in events:
+        replies.append(told(cms, f"s{s}", p["tell"] if what == "tell" else p["fix"], args.reply_tokens))
+        s += 1
+        for _ in range(args.distractors):
+            replies.append(told(cms, f"s{s}", rng.choice(SMALL_TALK), args.reply_tokens))
+            s += 1
+        if bar is not None:
+            bar.update(1)
+    pad, i = 0, 0
+    while pad < args.history_tokens:                  # scripted small talk, remembered without generation
+        ex = [{"role": "user", "content": f"{rng.choice(SMALL_TALK)} (club note {rng.randrange(10**6)})"},
+              {"role": "assistant", "content": "Happy to help with that."}]
+        for cm in cms.values():
+            cm.remember(ex, f"pad{i}")
+        pad = sum(x["tokens"] for x in cms["exchange"].sessions())
+        i += 1
+    return cms, replies
+
+
+def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
+    user, base = (name + "#user", c.replace("-user", "")) if "-user" in c else (name, c)
+    cm = mem.chat_memory(user, keep="user" if user != name else None)
+    msgs = [{"role": "user", "content": p["ask"]}]
+    if base == "oracle":
+        msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
+                 + (p.get("fix") or p["tell"])}] + msgs
+        base = "none"
+    saved = cm.foot_text
+    if base == "kv-end":
+        cm.foot_text, base = "<|im_end|>\n", "kv"
+    try:
+        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
+    finally:
+        cm.foot_text = saved
+    return {"answer": text, "right": right(p, text), "continues": continues_prose(text, replies),
+            "ttft_s": st["ttft_s"], "recalled": len(st.get("recalled", [])),
+            "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
+
+
+def run(args, seed: int) -> dict:
+    rng = random.Random(seed)
+    import kvmemory
+    path = Path(tempfile.mkdtemp(prefix="kvm-recall-")) / "m.kvm"
+    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts) for i in range(args.users)}
+    bar = _bar(sum(len(p) + sum(x["old"] is not None for x in p) for p in users.values()), "conversations")
+    replies: dict[str, list[str]] = {}
+    t0 = time.perf_counter()
+    with kvmemory.Memory(path) as mem:
+        for name, probes in users.items():
+            _, replies[name] = history(rng, mem, name, probes, args, bar)
+        tokens = {name: sum(x["tokens"] for x in mem.chat_memory(name).sessions()) for name in users}
+    history_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    conds = args.conditions.split(",")
+    rows = []
+    bar = _bar(sum(len(p) for p in users.values()) * len(conds), "questions")
+    with kvmemory.Memory(path) as mem:                # reopened: what a restart sees
+        for name, probes in users.items():
+            for p in probes:
+                row = {"user": name, **p}
+                for c in conds:
+                    row[c] = ask(mem, name, p, c, args, replies[name])
+                    if bar is not None:
+                        bar.update(1)
+                rows.append(row)
+    if bar is not None:
+        bar.close()
+    return {"users": len(users), "probes": len(rows), "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
+            "history_tokens_per_user": statistics.mean(tokens.values()), "history_s": history_s,
+            "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
+
+
+def summarize(rows: list[dict], conds: list[str]) -> dict:
+    out = {}
+    for c in conds:
+        n = len(rows)
+        k = sum(r[c]["right"] for r in rows)
+        lo, hi = wilson(k, n)
+        out[c] = {"right": k, "n": n, "accuracy": k / n, "wilson95": [lo, hi],
+                  "continues": sum(r[c]["continues"] for r in rows) / n,
+                  "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
+                  "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
+    if "kv" in conds and "text" in conds:
+        out["kv_vs_text"] = {"kv_only": sum(r["kv"]["right"] and not r["text"]["right"] for r in rows),
+                             "text_only": sum(r["text"]["right"] and not r["kv"]["right"] for r in rows)}
+    return out
+
+
+def _bar(total: int, desc: str):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc)
+
+
+def table(res: dict) -> str:
+    lines = ["| condition | right | accuracy (Wilson 95%) | continues prose | evidence recalled | median TTFT |",
+             "|---|---|---|---|---|---|"]
+    for c, s in res["summary"].items():
+        if c == "kv_vs_text":
+            continue
+        lo, hi = s["wilson95"]
+        lines.append(f"| {c} | {s['right']}/{s['n']} | {s['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | {s['continues']:.1%} "
+                     f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
+    if "kv_vs_text" in res["summary"]:
+        p = res["summary"]["kv_vs_text"]
+        lines.append(f"\npaired, kv against text: kv alone right {p['kv_only']}, text alone right {p['text_only']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=10)
+    ap.add_argument("--facts", type=int, default=20, help=f"facts a user tells (at most {len(FACTS)} kinds)")
+    ap.add_argument("--distractors", type=int, default=1, help="small-talk sessions after each telling")
+    ap.add_argument("--history-tokens", type=int, default=0,
+                    help="pad each user's history with scripted small talk to this many tokens")
+    ap.add_argument("--reply-tokens", type=int, default=32, help="the model's replies in the history")
+    ap.add_argument("--answer-tokens", type=int, default=24)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    add_common_args(ap)
+    args = ap.parse_args()
+    seed = seed_of(args)
+    res = run(args, seed)
+    print(table(res))
+    out = finish(res, seed, args, f"chat-recall-{res['probes']}")
+    conds = [c for c in res["summary"] if c != "kv_vs_text"]
+
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        s = res["summary"]
+        ax1.bar(conds, [s[c]["accuracy"] for c in conds])
+        ax1.set_ylabel("answered right")
+        ax1.tick_params(axis="x", rotation=45)
+        ax2.bar(conds, [s[c]["ttft_median_s"] for c in conds])
+        ax2.set_ylabel("median TTFT (s)")
+        ax2.tick_params(axis="x", rotation=45)
+        fig.suptitle(f"chat recall on the model's own conversations: {res['probes']} probes, seed {seed}")
+    plot(out, draw, size=(11, 4.5))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
