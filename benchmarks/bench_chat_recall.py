@@ -10,13 +10,14 @@ no generation).
 
 Conditions, side by side on the same histories and questions:
 
-    none        no memory: the question alone
-    text        the recalled turns quoted as text in the system message (text memory, as mem0-style)
-    kv          the recalled turns grafted as KV (kvmemory's default)
-    kv-user     the same, where a remembered turn keeps the user's words only (ChatMemory(keep="user"))
-    kv-user-end ... closed with <|im_end|> after the grafted turns
-    text-user   the user's words only, quoted as text
-    oracle      the fact as the user last told it, quoted as text (the model's ceiling)
+    none            no memory: the question alone
+    text-exchange   the recalled turns (the user's words and the reply) quoted as text in the system
+                    message (text memory, as mem0-style memories quote)
+    kv-exchange     the same turns grafted as KV (kvmemory's default before this benchmark)
+    text-user       a remembered turn keeps the user's words alone (ChatMemory(keep="user")), quoted
+    kv-user         ... grafted as KV
+    kv-user-end     ... grafted as KV and closed with <|im_end|>
+    oracle          the fact as the user last told it, quoted as text (the model's ceiling)
 
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
 that continue remembered prose ("You replied", "the user said", a remembered reply repeated), median
@@ -103,7 +104,7 @@ SMALL_TALK = ["Can you suggest a quick breakfast?", "How do I keep basil alive i
               "Why is the sky blue?", "How long should I boil an egg?", "What should I pack for a day hike?",
               "How can I learn to juggle?", "What's a good stretch after running?", "How do I remove a coffee stain?"]
 CONTINUES = ("you replied", "the user said", "on 20", "user said:", "you said:")
-CONDITIONS = ("none", "text", "kv", "kv-user", "kv-user-end", "text-user", "oracle")
+CONDITIONS = ("none", "text-exchange", "kv-exchange", "text-user", "kv-user", "kv-user-end", "oracle")
 
 
 def continues_prose(answer: str, replies: list[str]) -> bool:
@@ -149,7 +150,7 @@ def told(cms, session: str, text: str, max_new_tokens: int) -> str:
 
 
 def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, list[str]]:
-    cms = {"exchange": mem.chat_memory(name), "user": mem.chat_memory(name + "#user", keep="user")}
+    cms = {"exchange": mem.chat_memory(name, keep="exchange"), "user": mem.chat_memory(name + "#user", keep="user")}
     replies, s = [], 0
     events = [("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
     rng.shuffle(events)
@@ -174,8 +175,9 @@ def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, l
 
 
 def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
-    user, base = (name + "#user", c.replace("-user", "")) if "-user" in c else (name, c)
-    cm = mem.chat_memory(user, keep="user" if user != name else None)
+    keep = "user" if "-user" in c else "exchange"
+    base = c.replace("-user", "").replace("-exchange", "")
+    cm = mem.chat_memory(name + "#user" if keep == "user" else name, keep=keep)
     msgs = [{"role": "user", "content": p["ask"]}]
     if base == "oracle":
         msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
@@ -204,7 +206,7 @@ def run(args, seed: int) -> dict:
     with kvmemory.Memory(path) as mem:
         for name, probes in users.items():
             _, replies[name] = history(rng, mem, name, probes, args, bar)
-        tokens = {name: sum(x["tokens"] for x in mem.chat_memory(name).sessions()) for name in users}
+        tokens = {name: sum(x["tokens"] for x in mem.chat_memory(name, keep="exchange").sessions()) for name in users}
     history_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -237,9 +239,11 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "continues": sum(r[c]["continues"] for r in rows) / n,
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
                   "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
-    if "kv" in conds and "text" in conds:
-        out["kv_vs_text"] = {"kv_only": sum(r["kv"]["right"] and not r["text"]["right"] for r in rows),
-                             "text_only": sum(r["text"]["right"] and not r["kv"]["right"] for r in rows)}
+    for keep in ("exchange", "user"):
+        kv, text = f"kv-{keep}", f"text-{keep}"
+        if kv in conds and text in conds:
+            out[f"paired_{keep}"] = {"kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
+                                     "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
     return out
 
 
@@ -254,14 +258,15 @@ def table(res: dict) -> str:
     lines = ["| condition | right | accuracy (Wilson 95%) | continues prose | evidence recalled | median TTFT |",
              "|---|---|---|---|---|---|"]
     for c, s in res["summary"].items():
-        if c == "kv_vs_text":
+        if c.startswith("paired_"):
             continue
         lo, hi = s["wilson95"]
         lines.append(f"| {c} | {s['right']}/{s['n']} | {s['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | {s['continues']:.1%} "
                      f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
-    if "kv_vs_text" in res["summary"]:
-        p = res["summary"]["kv_vs_text"]
-        lines.append(f"\npaired, kv against text: kv alone right {p['kv_only']}, text alone right {p['text_only']}")
+    for c, p in res["summary"].items():
+        if c.startswith("paired_"):
+            lines.append(f"\npaired, the turns kept as '{c[7:]}', kv against text: kv alone right {p['kv_only']}, "
+                         f"text alone right {p['text_only']}")
     return "\n".join(lines)
 
 
@@ -281,7 +286,7 @@ def main() -> int:
     res = run(args, seed)
     print(table(res))
     out = finish(res, seed, args, f"chat-recall-{res['probes']}")
-    conds = [c for c in res["summary"] if c != "kv_vs_text"]
+    conds = [c for c in res["summary"] if not c.startswith("paired_")]
 
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)

@@ -7,7 +7,7 @@ Each block is cut into overlapping windows that the embedder sees whole (windows
 Selectors, compared on held-out QA in benchmarks/bench_qa.py:
   text    dense + bm25 fused by reciprocal rank (the default)
   dense   MiniLM windows only      bm25   BM25 windows only
-  keys    the question's mean pre-RoPE query against the key summaries (opt-in: see README)
+  keys    the question's mean pre-RoPE query against the key summaries (opt-in: see docs/benchmarks/answer-quality.md)
 A block scores as its best window.
 """
 

@@ -16,7 +16,7 @@ from kvmemory.errors import (CompactStoreError, DocumentNotFoundError, EmptyStor
 
 __version__ = "0.1.0"
 
-__all__ = ["CompactStoreError", "DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError",
+__all__ = ["AskOptions", "CompactStoreError", "DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError",
            "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
            "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreLockedError",
            "StoreReadOnlyError", "VerificationError", "WindowExceededError", "__version__"]
@@ -27,4 +27,7 @@ def __getattr__(name):  # lazy: `import kvmemory` stays light
         from kvmemory import memory
 
         return getattr(memory, name)
+    if name == "AskOptions":
+        from kvmemory.options import AskOptions
+        return AskOptions
     raise AttributeError(f"module 'kvmemory' has no attribute {name!r}")

@@ -24,7 +24,7 @@ invariant attention the same modules run in the same order in forward_many's loo
 the model's forward itself runs). With several, each row
 of a Linear is reduced by a kernel chosen for B rows, which may round differently in the last bits
 than one row alone, so a greedy reply may differ from the same request served alone where two
-tokens are nearly tied (measured: tests/test_batching.py, benchmarks/bench_serve.py, README). In
+tokens are nearly tied (measured: tests/test_batching.py, benchmarks/bench_serve.py, docs/guides/serving.md). In
 invariant mode (kvmemory/model/invariant.py) every row is reduced the same way whatever B is, so a
 batched step equals each sequence's step alone, bit for bit (tests/test_invariant.py).
 Models other than the Llama family decode one sequence after another in the same loop."""

@@ -67,7 +67,7 @@ class RuntimeConfig:
         whatever the chunking, the batch or the thread count; a store records the mode.
     dtype: the dtype a model loaded from disk computes in (DTYPES; None: float32). bfloat16 runs
         the default model's prefill ~2.5x and a decode step ~1.8x faster on a CPU with AVX-512 BF16
-        (README, 'bfloat16'); its KV takes half the bytes. A store records its dtype and opens only
+        (docs/concepts/precision.md); its KV takes half the bytes. A store records its dtype and opens only
         with it: blocks of one dtype are exact against that dtype's computation.
     """
 

@@ -64,8 +64,8 @@ class Memory:
 
     dtype: what a model loaded from disk computes in, a torch dtype or its name (default: env
     KVMEMORY_DTYPE, else float32); torch.bfloat16 is ~2.5x faster to prefill and ~1.8x to decode
-    the default model on a CPU with AVX-512 BF16, and its KV takes half the bytes (README,
-    'bfloat16'). Part of the fingerprint, like the mode: a store's blocks are exact against its own
+    the default model on a CPU with AVX-512 BF16, and its KV takes half the bytes
+    (docs/concepts/precision.md). Part of the fingerprint, like the mode: a store's blocks are exact against its own
     dtype's computation, and a store of another dtype raises ModelMismatchError. A loaded model
     passed in computes in its own dtype (a different `dtype` raises InputError).
 
@@ -404,13 +404,14 @@ class Memory:
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ chat memory
-    def chat_memory(self, user: str, layout: str | None = None, recompute: float | None = None):
+    def chat_memory(self, user: str, layout: str | None = None, recompute: float | None = None,
+                    keep: str | None = None):
         """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember,
         recall, reply, sessions, forget. Its turns live in a namespace of their own. recompute: the
-        fraction of the recalled turns' tokens recomputed in each window (default
-        kvmemory.chat_memory.memory.RECOMPUTE)."""
+        fraction of the recalled turns' tokens recomputed in each window; keep: what of an exchange
+        is remembered (defaults: kvmemory.chat_memory.memory)."""
         from kvmemory.chat_memory import ChatMemory
-        return ChatMemory(self.rt, self.scopes, user, layout, recompute=recompute)
+        return ChatMemory(self.rt, self.scopes, user, layout, recompute=recompute, keep=keep)
 
     @property
     def scopes(self):

@@ -23,7 +23,7 @@ from kvmemory.text import text_ids
 # windows fetched from each index per block wanted: several windows of one block may lead
 WINDOWS_PER_BLOCK = 8
 MIN_POOL = 64
-# The fusion, measured with benchmarks/bench_select.py on fresh draws (README, "Answer
+# The fusion, measured with benchmarks/bench_select.py on fresh draws (docs/benchmarks/answer-quality.md, "Answer
 # quality"): plain RRF (equal weights, k = 60) let dense near-misses (the same sentence about
 # another city) outrank BM25's exact hit and lost 20-25 points of recall@2 against BM25 alone;
 # at dense 0.3 it still lost 5-9. At 0.05 and k = 10 the dense ranking cannot reorder BM25's

@@ -887,7 +887,7 @@ def test_the_real_model_in_bfloat16_decodes_every_greedy_reply_batched_as_alone(
     steps: with invariant rows (the server's default for bfloat16) every reply is the one decoded
     alone through the same loop, token for token. Without them a one-row product of the MLP's
     down projection rounds ~10% of rows unlike a longer one, and about 1 reply in 3 differed in
-    the server (bench_serve; README, 'bfloat16')."""
+    the server (bench_serve; docs/concepts/precision.md)."""
     model, tok = in_mode(real_model[0], "bfloat16"), real_model[1]
     topics = ["the harbour at dawn", "a recipe for bread", "why the sky is blue", "the rules of chess",
               "a letter to a friend", "the history of maps", "how bees make honey", "a trip to the mountains"]

@@ -64,7 +64,7 @@ HEADER = "What this user said in earlier conversations"
 NOTE = "Notes from earlier conversations with this user"
 LAYOUTS = ("turns", "system")
 
-LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (README)
+LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (docs/guides/chat-memory.md)
 KEEP = "exchange"
 MAX_USER = 200
 

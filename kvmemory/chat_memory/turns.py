@@ -1,5 +1,5 @@
 """What a remembered exchange reads like: prose, not a transcript (a small model shown a transcript
-continues it instead of answering: measured, README "Memory for chat assistants").
+continues it instead of answering: measured, docs/guides/chat-memory.md).
 
 KEEPS says what of an exchange is kept: "exchange" the user's words and the reply; "user" the user's
 words alone (a model's reply is often no content, and a remembered reply is what a small model

@@ -30,7 +30,7 @@ def model_arg(sp) -> None:
                     help="local transformers model directory (default: embedded SmolLM2-135M-Instruct)")
     sp.add_argument("--invariant", action="store_true", default=None,
                     help="compute with the invariant kernels: the same KV bytes whatever the chunking, the batch "
-                         "or the thread count (slower: README, 'Invariant mode'); a store records its mode and "
+                         "or the thread count (slower: docs/concepts/exactness.md); a store records its mode and "
                          "opens only in it (env KVMEMORY_INVARIANT=1)")
     sp.add_argument("--dtype", choices=DTYPES, default=None,
                     help="what the model computes in, for a store being created (default float32; env "

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmemory import __version__
 from kvmemory.errors import InputError, KVMemoryError
 from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
@@ -29,11 +30,13 @@ from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 from kvmemory.threads import release as release_team
 
+ERRORS = {s: {"model": ErrorResponse, "description": "an error in OpenAI's shape"} for s in DOCUMENTED}
+
 log = logging.getLogger("kvmemory.server")
 
 DEFAULT_BATCH = 8                                # requests in flight, decoded together (kvmemory.batching)
 # whether batched decoding's rows are reduced alike whatever the batch (create_app's invariant_rows),
-# by the model's dtype, as measured (README, 'bfloat16'; EPYC, 24 greedy replies batched vs alone):
+# by the model's dtype, as measured (docs/concepts/precision.md; EPYC, 24 greedy replies batched vs alone):
 # bfloat16 8-12 of 24 differ without, 0 with, for ~6% of one client's requests/s (a one-row product
 # padded to two); float32 0 of 24 differ without, and a one-row product padded to four costs ~18%
 DEFAULT_INVARIANT_ROWS = {"bfloat16": True, "float32": False}
@@ -61,7 +64,6 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     for a bfloat16 model, off for float32, DEFAULT_INVARIANT_ROWS; where this machine's kernels
     allow no row scheme, True raises InvariantUnavailableError and the default logs it and runs
     without)."""
-    from kvmemory import __version__
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
@@ -106,14 +108,22 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         c.chat.flush(all_=True)                              # nothing deferred is lost at shutdown
         c.worker.close()
 
-    errors = {s: {"model": ErrorResponse, "description": "an error in OpenAI's shape"} for s in DOCUMENTED}
-    app = FastAPI(title="kvmemory", version=__version__, lifespan=lifespan, responses=errors)
+    app = FastAPI(title="kvmemory", version=__version__, lifespan=lifespan, responses=ERRORS)
     app.state.ctx, app.state.worker = c, c.worker
     for r in ROUTERS:
         app.include_router(r)
     _handlers(app)
     _guard(app, api_key, max_body_bytes)
     return app
+
+
+def openapi_schema() -> dict:
+    """The HTTP API's OpenAPI schema, as a served app publishes it at /openapi.json, built without a
+    model or a store (the documentation site renders it: docs/reference/http.md)."""
+    app = FastAPI(title="kvmemory", version=__version__, responses=ERRORS)
+    for r in ROUTERS:
+        app.include_router(r)
+    return app.openapi()
 
 
 def _answer(e: ApiError) -> JSONResponse:

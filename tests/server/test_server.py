@@ -391,24 +391,24 @@ def test_a_conversation_longer_than_the_window_keeps_older_turns_as_session_memo
     assert httpx.get(url + "/v1/sessions/long").status_code == 404
 
 
-def _readme_blocks(lang: str) -> list[str]:
+def _guide_blocks(lang: str) -> list[str]:
+    """The code blocks of the serving guide's opening (docs/guides/serving.md, before its first section)."""
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = text.index("## Serving")
-    section = text[start:text.index("\n## ", start)]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "serving.md").read_text()
+    section = text[:text.index("\n## ")]
     return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(lang)]
 
 
-def test_the_readme_examples_work_as_written(served, rng):
-    """The README's curl and openai examples, run against the server (only the port changes, and
-    max_tokens, to keep the test short)."""
+def test_the_serving_guides_examples_work_as_written(served, rng):
+    """The serving guide's curl and openai examples, run against the server (only the port changes,
+    and max_tokens, to keep the test short)."""
     import re
     import shutil
     url, mem, _ = served
     port = url.rsplit(":", 1)[1]
     if not shutil.which("curl"):
         pytest.skip("curl is not installed")
-    (curl,) = _readme_blocks("bash")
+    (curl,) = _guide_blocks("bash")
     commands = [re.sub(r"\s+#.*$", "", c.replace("\\\n", " "), flags=re.M).strip()
                 for c in re.split(r"\n(?=curl )", curl.strip())]
     assert len(commands) == 3
@@ -425,7 +425,7 @@ def test_the_readme_examples_work_as_written(served, rng):
     assert status == "done"
     ans = json.loads(subprocess.run(run[2], shell=True, capture_output=True, text=True, timeout=120).stdout)
     assert ans["sources"][0]["doc_id"] == "manual" and "answer" in ans
-    (py,) = _readme_blocks("python")
+    (py,) = _guide_blocks("python")
     code = py.replace("http://127.0.0.1:8000/v1", url + "/v1").replace("max_tokens=64", "max_tokens=8")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-1000:]
