@@ -21,13 +21,28 @@ MAX_STOP = 4
 STRICT = ConfigDict(strict=True, extra="forbid")
 
 
+def _utf8(v: str) -> str:
+    """A string that is text: JSON's \\ud800 escapes decode to a lone surrogate, which no tokenizer (and
+    no UTF-8) can take. Refused here, as a 400 naming the parameter, not a 500 deeper in."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_value", "holds a lone UTF-16 surrogate at character {at}: not text",
+                                  {"at": e.start}) from None
+    return v
+
+
 def _non_blank(v: str) -> str:
+    _utf8(v)
     if not v.strip():
         raise PydanticCustomError("missing_required_parameter", "must be a non-empty string")
     return v
 
 
+Text = Annotated[str, AfterValidator(_utf8)]
 NonBlank = Annotated[str, AfterValidator(_non_blank)]
+# a seed is what torch's generators take: a signed or unsigned 64-bit integer
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
 def _neutral(*allowed):
@@ -78,13 +93,13 @@ class ErrorResponse(BaseModel):
 class TextPart(BaseModel):
     model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")      # name, refusal ...: accepted, unused
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -114,11 +129,11 @@ class ChatCompletionRequest(_Unsupported):
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
-    prompt_cache_key: str | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
+    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    seed: Seed | None = None
+    prompt_cache_key: Text | None = None
+    user: Text | None = None
+    safety_identifier: Text | None = None
     metadata: dict[str, str] | None = None
     n: Annotated[int | None, _neutral(1)] = None
     frequency_penalty: Annotated[float | None, _neutral(0.0)] = None
@@ -214,8 +229,8 @@ class Health(BaseModel):
 class DocumentCreate(BaseModel):
     """POST /v1/documents as JSON; the same endpoint takes a multipart upload (`file`, `doc_id`)."""
     model_config = STRICT
-    text: str
-    doc_id: str | None = None
+    text: Text
+    doc_id: Text | None = None
 
 
 class DocumentUpload(BaseModel):

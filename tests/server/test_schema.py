@@ -68,3 +68,36 @@ def test_no_server_error_and_only_documented_statuses(api_schema):
     print(f"\nschemathesis: {cases[0]} cases over {ran} operations, {with_body[0]} with a generated body")
     assert ran >= 10                                   # every route of the server was exercised
     assert with_body[0] >= 5 * examples // 2           # POST bodies were generated, not only paths
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"seed": 1208925819614629174706176}, "seed"),                       # past 64 bits
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi \ud800 there"}]}, "messages"),   # a lone surrogate
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages"),
+    ({"stop": ["ok", "\ud834"]}, "stop"),
+    ({"user": "ada\udc00"}, "user"),
+])
+def test_values_no_tokenizer_or_generator_can_take_are_400s_naming_the_parameter(api_schema, body, param):
+    """Found by a careless client: a seed past 64 bits and a message holding a lone UTF-16 surrogate
+    were 500s deep in torch and the tokenizer; they are 400s naming the parameter."""
+    import json
+
+    import httpx
+    _, url = api_schema
+    req = {"model": "kvmemory", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body}
+    # json.dumps writes the lone surrogate as a \\ud800 escape, as a client's JSON encoder does
+    r = httpx.post(url + "/v1/chat/completions", content=json.dumps(req), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)
+
+
+def test_the_widest_seeds_torch_takes_are_served(api_schema):
+    import httpx
+    _, url = api_schema
+    for seed in (2**64 - 1, -(2**63)):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "kvmemory", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "temperature": 0.7, "seed": seed})
+        assert r.status_code == 200, r.text
