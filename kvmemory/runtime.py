@@ -65,6 +65,11 @@ class StoreHandle:
         if self._pager is not None:
             self._pager.forget(rows)
 
+    @property
+    def pager_if_open(self) -> Pager | None:
+        """The pager if one was made (its tiers' figures), without making one."""
+        return self._pager
+
     def drop_pager(self) -> None:
         """Start the pager afresh, its tiers empty (a cold read: benchmarks)."""
         self._pager = None

@@ -7,6 +7,10 @@ import os
 
 from kvmemory.cli.common import KVMemoryError, positive_int, store_dtype
 
+# kvmemory.server.logs' LEVELS and FORMATS (not imported here: `kvmemory --help` stays light; a test holds them equal)
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+
 
 def register(add) -> None:
     """Add this module's commands: add(name, handler, help, description, store=, model=) -> a subparser."""
@@ -39,6 +43,11 @@ def register(add) -> None:
                     help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
                          "replica holding its KV); ADDRESS of a cluster, or none for a local one")
     sp.add_argument("--replicas", type=positive_int, default=2, metavar="N", help="Ray Serve replicas (default 2)")
+    sp.add_argument("--log-level", choices=LEVELS, default="info",
+                    help="info (default): one access line a request, with its X-Request-Id; warning: problems only")
+    sp.add_argument("--log-format", choices=FORMATS, default="text",
+                    help="text (default) or json: one JSON object a line (time, level, logger, message, "
+                         "request_id, and the access line's method, path, status, duration_ms)")
 
 
 def cmd_serve(args) -> int:
@@ -63,5 +72,6 @@ def cmd_serve(args) -> int:
         return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
           max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant,
-          ask_rerank=args.ask_rerank, dtype=store_dtype(args), invariant_rows=args.invariant_rows)
+          ask_rerank=args.ask_rerank, dtype=store_dtype(args), invariant_rows=args.invariant_rows,
+          log_level=args.log_level, log_format=args.log_format)
     return 0

@@ -7,6 +7,7 @@ import hmac
 import ipaddress
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
 from kvmemory.server.context import Context
 from kvmemory.server.errors import DOCUMENTED, ApiError, from_exception, from_validation
+from kvmemory.server import logs
 from kvmemory.server.jobs import Jobs
+from kvmemory.server.metrics import Metrics
 from kvmemory.server.persist import SERVE_DIR
 from kvmemory.server.routes import ROUTERS
 from kvmemory.server.routes.web import OPEN as WEB_PATHS
@@ -85,6 +88,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 ask_defaults=AskOptions().but(rerank=None if ask_rerank is None else _ask_rerank(ask_rerank)))
     c.chat.pending = lambda: c.worker.pending
     c.chat.released = lambda: c.worker.released_at
+    c.metrics = Metrics(lambda: _live(c))
+    c.jobs.on_done = c.metrics.deposited
     release_team()          # this thread's OpenMP team (the row scheme's check ran here): the model is served from others
     stop = threading.Event()
 
@@ -113,8 +118,20 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     for r in ROUTERS:
         app.include_router(r)
     _handlers(app)
-    _guard(app, api_key, max_body_bytes)
+    _guard(app, api_key, max_body_bytes, c.metrics)
     return app
+
+
+def _live(c: Context) -> dict:
+    """What /metrics reads at scrape time: the queue, the decode loop, the store, the pager's tiers."""
+    b, store = c.worker.batcher, c.mem.store
+    pager = c.mem.rt.handle.pager_if_open
+    tiers = {t.name: {"hits": t.stats.hits, "misses": t.stats.misses, "evictions": t.stats.evictions,
+                      "used_bytes": t.used_bytes}
+             for t in ((pager.host, pager.gpu) if pager is not None else ()) if t is not None}
+    return {"queue": c.worker.pending, "steps": b.steps if b is not None else 0, "rows": b.rows if b is not None else 0,
+            "blocks": store.n_blocks if store is not None else 0,
+            "bytes": store.disk_bytes() if store is not None else 0, "tiers": tiers}
 
 
 def openapi_schema() -> dict:
@@ -154,8 +171,9 @@ def _handlers(app: FastAPI) -> None:
         return _answer(from_exception(e))
 
 
-def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-    """The API key (every path but /health) and the body size limit (413), before any route runs."""
+def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+    """The API key (every path but /health) and the body size limit (413), before any route runs; every
+    request counted, by its route's template, method and status, and timed to its response's start."""
     def too_large() -> JSONResponse:
         return _answer(ApiError(413, f"the request body is larger than {max_body_bytes} bytes",
                                 code="request_too_large"))
@@ -173,6 +191,24 @@ def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
         if n is None and request.method in ("POST", "PUT", "PATCH") and len(await request.body()) > max_body_bytes:
             return too_large()                     # a chunked body: counted once read
         return await call_next(request)
+
+    # added last, so outermost: a 401 or a 413 from the guard is counted and logged too, with its id
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        t0 = time.perf_counter()
+        rid = logs.request_id(request.headers.get(logs.HEADER))
+        token = logs.REQUEST_ID.set(rid)
+        try:
+            response = await call_next(request)
+            seconds = time.perf_counter() - t0
+            route = request.scope.get("route")
+            metrics.request(getattr(route, "path", "unmatched"), request.method, response.status_code, seconds)
+            logs.log_access(request.method, request.url.path, response.status_code, seconds,
+                            request.client.host if request.client else None)
+            response.headers[logs.HEADER] = rid
+            return response
+        finally:
+            logs.REQUEST_ID.reset(token)
 
 
 def is_loopback(host: str) -> bool:
@@ -194,14 +230,15 @@ def check_exposure(host: str, api_key: str | None) -> None:
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
           invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
-          invariant_rows: bool | None = None) -> None:
+          invariant_rows: bool | None = None, log_level: str = "info", log_format: str = "text") -> None:
     """Open (or create) the store and serve it until interrupted (invariant, dtype: Memory's;
-    invariant_rows: create_app's)."""
+    invariant_rows: create_app's; log_level, log_format: kvmemory.server.logs)."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
+    logs.configure(log_level, log_format)
     mem = Memory(store, model=model, invariant=invariant, dtype=dtype)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
                            ask_rerank=ask_rerank, invariant_rows=invariant_rows),
-                host=host, port=port, log_level="warning")
+                host=host, port=port, log_config=None, log_level=log_level)

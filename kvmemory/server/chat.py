@@ -181,6 +181,12 @@ class ChatService:
         """Fit the prompt, restore/compute it (with a user: graft what its memory recalls), decode,
         save the conversation (and remember the exchange). emit(text_delta) streams."""
         mem = self.mem
+        t0, first = time.perf_counter(), []
+
+        def took(t) -> bool:
+            if not first:
+                first.append(time.perf_counter() - t0)
+            return stream(t) or cancel.is_set()
         with mem.exclusive():                                      # one request's model work at a time
             with torch.inference_mode():
                 ids = None if p.user is not None else self.ids(p.messages)
@@ -194,7 +200,7 @@ class ChatService:
                     w = self._prepare(p, ids)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
-                             on_token=lambda t: stream(t) or cancel.is_set(),
+                             on_token=took,
                              pick=sampler(p.temperature, p.top_p, p.seed), feed=w.feed)
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
@@ -206,7 +212,8 @@ class ChatService:
             elif not cancelled:
                 self._finish(p, w, new, text)
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
-                "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory}
+                "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory,
+                "ttft_s": first[0] if first else None}
 
     def _finish(self, p: ChatParams, w: Prepared, new: list[int], text: str | None, save: bool = True) -> None:
         """After a reply: the conversation with it saved, computed canonically (without what was

@@ -9,6 +9,7 @@ from fastapi import Request
 from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
 from kvmemory.server.jobs import Jobs
+from kvmemory.server.metrics import Metrics
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 
@@ -22,6 +23,7 @@ class Context:
     sessions: Sessions
     max_body_bytes: int
     ask_defaults: AskOptions = field(default_factory=AskOptions)   # what an ask that leaves a field unset gets
+    metrics: Metrics | None = None
 
     @property
     def model_id(self) -> str:

@@ -19,6 +19,7 @@ class Jobs:
         self.file = JsonFile(root / "jobs.json")
         self.uploads = root / "uploads"
         self.prefix = prefix
+        self.on_done = None                  # on_done(ok, tokens, seconds) after each job (the server's metrics)
         self.jobs: dict[str, dict] = self.file.load()
         self.queue: "queue.Queue[str]" = queue.Queue()
         for jid, job in sorted(self.jobs.items(), key=lambda kv: kv[1]["created"]):
@@ -63,9 +64,11 @@ class Jobs:
             job = self.jobs[jid]
             job["status"] = "running"
             self.flush()
+            t0, tokens = time.perf_counter(), 0
             try:
                 if job["doc_id"] not in {d.doc_id for d in mem.docs()}:
-                    mem.add(self.text(jid), doc_id=job["doc_id"], source=job["source"], progress=_Progress(job, self))
+                    tokens = mem.add(self.text(jid), doc_id=job["doc_id"], source=job["source"],
+                                     progress=_Progress(job, self)).n_tokens
                 job["status"] = "done"
                 job["progress"]["tokens_done"] = job["progress"]["tokens_total"] or job["progress"]["tokens_done"]
                 (self.uploads / f"{jid}.json").unlink(missing_ok=True)
@@ -73,6 +76,8 @@ class Jobs:
                 job["status"] = "failed"
                 job["error"] = f"{type(e).__name__}: {e}"
             finally:
+                if self.on_done is not None:
+                    self.on_done(job["status"] == "done", tokens, time.perf_counter() - t0)
                 release_team()       # no idle OpenMP team beside the threads serving (kvmemory/threads.py)
             self.flush()
 

@@ -8,6 +8,7 @@ server-sent events while it runs."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import threading
 import time
@@ -64,7 +65,9 @@ class Worker:
         """Admit, run fn(*args) on the worker thread, release. Raises ApiError 429 when full."""
         self.admit()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, _released, fn, *args)
+            # the request's context (its id, for every log line) goes with it to the worker thread
+            ctx = contextvars.copy_context()
+            return await asyncio.get_running_loop().run_in_executor(self.pool, ctx.run, _released, fn, *args)
         finally:
             self.release()
 
@@ -93,7 +96,7 @@ class Worker:
                 release_team()
                 self.release()        # whatever became of the client
 
-        loop.run_in_executor(self.pool, run)
+        loop.run_in_executor(self.pool, contextvars.copy_context().run, run)
 
         async def gen():
             try:

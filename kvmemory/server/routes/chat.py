@@ -18,6 +18,17 @@ STREAMED = {200: {"content": {"text/event-stream": {"schema": ChatCompletionChun
                   "description": "the completion, or with stream: true its chunks as server-sent events"}}
 
 
+def record(c: Context, r: dict) -> None:
+    """A finished chat completion into the server's metrics."""
+    if c.metrics is None:
+        return
+    m = r["kvmemory"] or {}
+    c.metrics.answered("chat", r.get("ttft_s"), restored=r["cached_tokens"], grafted=m.get("tokens_grafted", 0),
+                       recomputed=m.get("tokens_recomputed", 0), decoded=r["completion_tokens"],
+                       prefilled=r["prompt_tokens"] - r["cached_tokens"])
+    c.metrics.remembered(r["kvmemory"])
+
+
 def usage(r: dict) -> Usage:
     return Usage(prompt_tokens=r["prompt_tokens"], completion_tokens=r["completion_tokens"],
                  total_tokens=r["prompt_tokens"] + r["completion_tokens"],
@@ -33,6 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
             "system_fingerprint": "kvm-" + c.mem.fingerprint[-12:]}
     if not p.stream:
         r = await c.worker.run(c.chat.complete, p, lambda _: False, threading.Event())
+        record(c, r)
         return ChatCompletion(**head, usage=usage(r), kvmemory=r["kvmemory"], choices=[Choice(
             message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"])])
 
@@ -56,6 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
         if kind == "delta":
             yield chunk({"content": payload})
         elif kind == "done":
+            record(c, payload)
             yield chunk({}, finish=payload["finish_reason"], memory=payload["kvmemory"])
             if p.include_usage:
                 yield chunk(None, usage_=usage(payload))

@@ -48,7 +48,10 @@ async def get_memory(user: str, c: Context = Depends(ctx)):
 
 @router.delete("/v1/users/{user}", response_model=UserForgotten)
 async def forget_user(user: str, c: Context = Depends(ctx)):
-    return await c.worker.run(_forget, c.mem, c.sessions, check_id(user, "user"), None)
+    r = await c.worker.run(_forget, c.mem, c.sessions, check_id(user, "user"), None)
+    if c.metrics is not None:
+        c.metrics.forgets.inc()
+    return r
 
 
 @router.delete("/v1/users/{user}/sessions/{session_id}", response_model=UserForgotten)
@@ -56,4 +59,6 @@ async def forget_session(user: str, session_id: str, c: Context = Depends(ctx)):
     r = await c.worker.run(_forget, c.mem, c.sessions, check_id(user, "user"), check_id(session_id, "session_id"))
     if not r.turns and not r.sessions:
         raise not_found("session", session_id, "session_id")
+    if c.metrics is not None:
+        c.metrics.forgets.inc()
     return r
