@@ -68,10 +68,70 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: to
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def sampler(temperature: float, top_p: float = 1.0, seed: int | None = None):
-    """pick(logits) for greedy(): `sample` with its own generator (seeded: reproducible draws)."""
+def sampler(temperature: float, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
+            min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+            frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, prompt=()):
+    """pick(logits) for greedy(): `sample` with its own generator (seeded: reproducible draws). With
+    any of the other keys set (the OpenAI and vLLM sampling parameters) a Sampler; at their neutral
+    values the draws are exactly `sample`'s."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return lambda logits: sample(logits, temperature, top_p, gen)
+    if (top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty) == (0, 0.0, 1.0, 0.0, 0.0) \
+            and not logit_bias:
+        return lambda logits: sample(logits, temperature, top_p, gen)
+    return Sampler(temperature, top_p, gen, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+                   logit_bias or {}, prompt)
+
+
+class Sampler:
+    """pick(logits) with the sampling parameters clients send, in vLLM's order: logit_bias added;
+    repetition_penalty over the prompt's and the answer's tokens (a positive logit divided by it, a
+    negative one multiplied); presence_penalty (once a token appeared) and frequency_penalty (per
+    time it appeared) subtracted over the answer's tokens; then temperature (0: argmax of the
+    adjusted logits), top_k, min_p (tokens under min_p x the most likely one's probability dropped)
+    and top_p; a draw with the generator. It remembers the tokens it picked: the answer so far."""
+
+    def __init__(self, temperature: float, top_p: float, gen, top_k: int, min_p: float, repetition_penalty: float,
+                 presence_penalty: float, frequency_penalty: float, logit_bias: dict[int, float], prompt) -> None:
+        self.temperature, self.top_p, self.gen, self.top_k, self.min_p = temperature, top_p, gen, top_k, min_p
+        self.repetition, self.presence, self.frequency = repetition_penalty, presence_penalty, frequency_penalty
+        self.bias = (torch.tensor(list(logit_bias), dtype=torch.long),
+                     torch.tensor(list(logit_bias.values()), dtype=torch.float32)) if logit_bias else None
+        self.prompt = set(int(t) for t in prompt)
+        self.counts: dict[int, int] = {}
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [vocab] after the bias and the penalties (float32, on the CPU, a copy)."""
+        x = logits.float().cpu().clone()
+        if self.bias is not None:
+            x[self.bias[0]] += self.bias[1]
+        if self.repetition != 1.0:
+            seen = torch.tensor(sorted(self.prompt | set(self.counts)), dtype=torch.long)
+            if len(seen):
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / self.repetition, v * self.repetition)
+        if self.counts and (self.presence or self.frequency):
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            x[ids] -= self.presence + self.frequency * n
+        return x
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        x = self.adjust(logits)
+        if self.temperature == 0:
+            tok = int(x.argmax())
+        else:
+            probs = torch.softmax(x / self.temperature, dim=-1)
+            if 0 < self.top_k < len(probs):
+                probs[probs < probs.topk(self.top_k).values[-1]] = 0
+            if self.min_p > 0:
+                probs[probs < self.min_p * probs.max()] = 0
+            if self.top_p < 1.0:
+                p, idx = probs.sort(descending=True)
+                keep = p.cumsum(0) - p < self.top_p * p.sum()
+                probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+            tok = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        self.counts[tok] = self.counts.get(tok, 0) + 1
+        return tok
 
 
 class TextStream:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -47,9 +47,10 @@ class ChatParams:
     include_usage: bool
     session: str | None
     user: str | None = None        # the owner of a memory across sessions (the `user` field or X-Kvmemory-User)
+    sampling: dict = field(default_factory=dict)   # kvmemory.decode.sampler's keys beyond temperature/top_p
 
 
-def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -> ChatParams:
+def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, vocab: int = 1 << 31) -> ChatParams:
     """The service's view of a request; ApiError for what the schema cannot say (the model's name,
     stream_options without stream, a malformed session id)."""
     if req.model not in model_ids:
@@ -68,9 +69,22 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers) -
         raise bad("stop", "a stop string must not be empty")
     mt = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    # the keys a request sets away from their neutral values (top_k 0 or -1, repetition_penalty 1: off)
+    given = {"top_k": max(0, req.top_k or 0), "min_p": req.min_p or 0.0,
+             "repetition_penalty": req.repetition_penalty or 1.0, "presence_penalty": req.presence_penalty or 0.0,
+             "frequency_penalty": req.frequency_penalty or 0.0}
+    sampling = {k: v for k, v in given.items() if v != (1.0 if k == "repetition_penalty" else 0)}
+    if req.logit_bias:
+        bias = {}
+        for k, v in req.logit_bias.items():
+            if not k.isdigit() or int(k) >= vocab:
+                raise bad("logit_bias", f"logit_bias keys are token ids in 0..{vocab - 1}, got {k!r}")
+            bias[int(k)] = float(v)
+        sampling["logit_bias"] = bias
     return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
                       1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
-                      bool(req.stream_options and req.stream_options.include_usage), session, user)
+                      bool(req.stream_options and req.stream_options.include_usage), session, user,
+                      sampling)
 
 
 IDLE_GRACE_S = 0.5        # a deferred save runs after the server has been idle this long
@@ -201,7 +215,9 @@ class ChatService:
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=took,
-                             pick=sampler(p.temperature, p.top_p, p.seed), feed=w.feed)
+                             pick=sampler(p.temperature, p.top_p, p.seed, **p.sampling,
+                                          **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {})),
+                             feed=w.feed)
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"

@@ -112,7 +112,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI parameters this server does not have: accepted only absent, null or empty
-UNSUPPORTED = ("top_logprobs", "logit_bias", "tools", "tool_choice", "response_format", "audio", "prediction",
+UNSUPPORTED = ("top_logprobs", "tools", "tool_choice", "response_format", "audio", "prediction",
                "web_search_options", "functions", "function_call", "modalities", "reasoning_effort", "verbosity")
 _Unsupported = create_model("_Unsupported", __config__=STRICT, **{k: (Unsupported, None) for k in UNSUPPORTED})
 
@@ -136,8 +136,13 @@ class ChatCompletionRequest(_Unsupported):
     safety_identifier: Text | None = None
     metadata: dict[str, str] | None = None
     n: Annotated[int | None, _neutral(1)] = None
-    frequency_penalty: Annotated[float | None, _neutral(0.0)] = None
-    presence_penalty: Annotated[float | None, _neutral(0.0)] = None
+    # sampling, as OpenAI's and vLLM's servers take it (kvmemory.decode.Sampler)
+    frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = None
+    presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = None
+    top_k: Annotated[int | None, Field(ge=-1, description="the k most likely tokens only; 0 or -1: all")] = None
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     logprobs: Annotated[bool | None, _neutral(False)] = None
     parallel_tool_calls: bool | None = None
     store: Annotated[bool | None, _neutral(False)] = None

@@ -101,12 +101,33 @@ def test_sampling_parameters_are_honoured_or_refused(served, rng):
         stop = full[2:4]
         cut = client.chat.completions.create(temperature=0, stop=[stop], **{**kw, "max_tokens": 12})
         assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
-    for bad, param in (({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    for bad, param in (({"n": 2}, "n"), ({"presence_penalty": 3.0}, "presence_penalty"),
                        ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-                       ({"logit_bias": {"1": 2}}, "logit_bias"), ({"frobnicate": 1}, "frobnicate"),
+                       ({"logit_bias": {"x1": 2}}, "logit_bias"), ({"logit_bias": {"99999999": 2}}, "logit_bias"),
+                       ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"frobnicate": 1}, "frobnicate"),
                        ({"stop": ["a", "b", "c", "d", "e"]}, "stop")):
         r = httpx.post(url + "/v1/chat/completions", json={**kw, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_the_sampling_keys_clients_send_are_honoured(served):
+    """top_k, min_p, repetition_penalty (vLLM's, through the client's extra_body), presence_penalty,
+    frequency_penalty and logit_bias (OpenAI's): sampled as they say (kvmemory.decode.Sampler)."""
+    from openai import OpenAI
+    url, mem, _ = served
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    kw = dict(model=mem.model_name, max_tokens=6, messages=[{"role": "user", "content": "Name three rivers."}])
+    greedy = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):                  # only the likeliest token left: greedy's answer
+        got = client.chat.completions.create(temperature=1.0, seed=3, extra_body=extra, **kw)
+        assert got.choices[0].message.content == greedy, extra
+    tok = mem.tokenizer(" river", add_special_tokens=False)["input_ids"][0]
+    forced = client.chat.completions.create(temperature=0, logit_bias={str(tok): 100}, **kw)
+    assert forced.choices[0].message.content.strip() == ("river " * 6).strip()
+    pen = client.chat.completions.create(temperature=0, frequency_penalty=2.0, presence_penalty=2.0,
+                                         extra_body={"repetition_penalty": 1.3}, **kw)
+    assert pen.choices[0].finish_reason in ("stop", "length")
 
 
 def shaped(r, status):

@@ -37,7 +37,7 @@ def usage(r: dict) -> Usage:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request, c: Context = Depends(ctx)):
-    p = params_of(body, (c.model_id, "kvmemory"), request.headers)
+    p = params_of(body, (c.model_id, "kvmemory"), request.headers, c.mem.model.get_input_embeddings().num_embeddings)
     if p.session is None:                  # no session to keep older turns in: refuse now, not mid-stream
         c.chat.overflows(p)
     head = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": c.model_id,
