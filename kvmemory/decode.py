@@ -134,6 +134,33 @@ class Sampler:
         return tok
 
 
+class Logprobs:
+    """A pick(logits) that records, for every token it picks, the token's log-probability under the
+    model's distribution (log_softmax of the raw logits, in float32) and the `top` likeliest tokens'
+    (OpenAI's logprobs / top_logprobs). The picking itself is `pick`'s: the tokens do not change."""
+
+    def __init__(self, pick, top: int = 0) -> None:
+        self.pick, self.top = pick or (lambda x: int(x.argmax())), top
+        self.rows: list[tuple[int, float, list[tuple[int, float]]]] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+        tok = self.pick(logits)
+        alts = []
+        if self.top:
+            v, i = lp.topk(self.top)
+            alts = [(int(a), float(b)) for a, b in zip(i, v)]
+        self.rows.append((tok, float(lp[tok]), alts))
+        return tok
+
+    def content(self, tokenizer, n: int) -> list[dict]:
+        """OpenAI's logprobs.content of the first n tokens picked (the answer's: an end-of-turn pick is not one)."""
+        def one(t: int, lp: float) -> dict:
+            text = tokenizer.decode([t])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in alts]} for t, lp, alts in self.rows[:n]]
+
+
 class TextStream:
     """The on_token callback of greedy() for text: decodes the tokens so far and hands
     on_text(delta) only text that will not change: an unfinished UTF-8 character (U+FFFD at the

@@ -17,75 +17,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from kvmemory import kv as kvops, prompts
 from kvmemory.chat_memory.window import RECALL_TURNS
-from kvmemory.decode import TextStream, greedy, sampler
+from kvmemory.decode import Logprobs, TextStream, greedy, sampler
 from kvmemory.model import invariant
-from kvmemory.server.errors import ApiError, bad, check_id
+from kvmemory.server.errors import ApiError
 from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_memory, session_record
-from kvmemory.server.schemas import ChatCompletionRequest
+from kvmemory.server.params import DEFAULT_MAX_TOKENS, ChatParams, params_of  # noqa: F401 (the service's view)
 from kvmemory.server.sessions import Sessions
 
-DEFAULT_MAX_TOKENS = 256
 log = logging.getLogger("kvmemory.server")
-
-
-@dataclass(frozen=True)
-class ChatParams:
-    """A validated chat request, as the service uses it."""
-    messages: list[dict]           # [{"role": system|user|assistant, "content": str}]
-    temperature: float
-    top_p: float
-    max_tokens: int
-    stop: list[str]
-    seed: int | None
-    stream: bool
-    include_usage: bool
-    session: str | None
-    user: str | None = None        # the owner of a memory across sessions (the `user` field or X-Kvmemory-User)
-    sampling: dict = field(default_factory=dict)   # kvmemory.decode.sampler's keys beyond temperature/top_p
-
-
-def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, vocab: int = 1 << 31) -> ChatParams:
-    """The service's view of a request; ApiError for what the schema cannot say (the model's name,
-    stream_options without stream, a malformed session id)."""
-    if req.model not in model_ids:
-        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_ids[0]!r}",
-                       param="model", code="model_not_found")
-    if req.stream_options is not None and not req.stream:
-        raise bad("stream_options", "stream_options is only allowed with stream: true")
-    user = req.user or headers.get("x-kvmemory-user")
-    session = req.prompt_cache_key or headers.get("x-session-id") or user
-    if session is not None:
-        check_id(session, "prompt_cache_key")
-    if user is not None:
-        check_id(user, "user")
-    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    if any(not s for s in stop):
-        raise bad("stop", "a stop string must not be empty")
-    mt = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    # the keys a request sets away from their neutral values (top_k 0 or -1, repetition_penalty 1: off)
-    given = {"top_k": max(0, req.top_k or 0), "min_p": req.min_p or 0.0,
-             "repetition_penalty": req.repetition_penalty or 1.0, "presence_penalty": req.presence_penalty or 0.0,
-             "frequency_penalty": req.frequency_penalty or 0.0}
-    sampling = {k: v for k, v in given.items() if v != (1.0 if k == "repetition_penalty" else 0)}
-    if req.logit_bias:
-        bias = {}
-        for k, v in req.logit_bias.items():
-            if not k.isdigit() or int(k) >= vocab:
-                raise bad("logit_bias", f"logit_bias keys are token ids in 0..{vocab - 1}, got {k!r}")
-            bias[int(k)] = float(v)
-        sampling["logit_bias"] = bias
-    return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
-                      1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
-                      bool(req.stream_options and req.stream_options.include_usage), session, user,
-                      sampling)
-
 
 IDLE_GRACE_S = 0.5        # a deferred save runs after the server has been idle this long
 MAX_DEFERRED = 256        # deferred saves listed at most (one a session; those of requests without one dropped past it)
@@ -143,6 +88,14 @@ class ChatService:
             return p.messages, []
         head, rest, k = self.keep_latest(p, room, from_user=True)
         return head + rest[k:], rest[:k]
+
+    def check_prompt(self, p: ChatParams) -> None:
+        """A text completion's prompt and max_tokens fit the window (a text prompt has no older turns
+        to keep in memory): ApiError otherwise."""
+        n, limit = len(p.prompt_ids or ()), self.mem.geometry.max_positions
+        if n + p.max_tokens > limit:
+            raise ApiError(400, f"the prompt is {n} tokens and max_tokens {p.max_tokens}; the model's window is "
+                                f"{limit}", param="prompt", code="context_length_exceeded")
 
     def overflows(self, p: ChatParams, ids: list[int] | None = None) -> bool:
         """Whether the conversation (ids: its tokens, if already known) and its reply exceed the
@@ -203,7 +156,8 @@ class ChatService:
             return stream(t) or cancel.is_set()
         with mem.exclusive():                                      # one request's model work at a time
             with torch.inference_mode():
-                ids = None if p.user is not None else self.ids(p.messages)
+                ids = p.prompt_ids if p.prompt_ids is not None else None if p.user is not None \
+                    else self.ids(p.messages)
                 if p.session is not None:
                     self._fold(session_record(p), ids)
                 if p.user is not None:
@@ -213,11 +167,13 @@ class ChatService:
                 else:
                     w = self._prepare(p, ids)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
+                pick = sampler(p.temperature, p.top_p, p.seed, **p.sampling,
+                               **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {}))
+                if p.logprobs is not None:
+                    pick = Logprobs(pick, p.logprobs)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=took,
-                             pick=sampler(p.temperature, p.top_p, p.seed, **p.sampling,
-                                          **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {})),
-                             feed=w.feed)
+                             pick=pick, feed=w.feed)
                 text = stream.finish(new)
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
@@ -229,7 +185,8 @@ class ChatService:
                 self._finish(p, w, new, text)
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
                 "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory,
-                "ttft_s": first[0] if first else None}
+                "ttft_s": first[0] if first else None,
+                "logprobs": pick.content(mem.tokenizer, len(new)) if isinstance(pick, Logprobs) else None}
 
     def _finish(self, p: ChatParams, w: Prepared, new: list[int], text: str | None, save: bool = True) -> None:
         """After a reply: the conversation with it saved, computed canonically (without what was

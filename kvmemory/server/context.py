@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -10,13 +11,16 @@ from kvmemory.options import AskOptions
 from kvmemory.server.chat import ChatService
 from kvmemory.server.jobs import Jobs
 from kvmemory.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from kvmemory.memory import Memory
 from kvmemory.server.sessions import Sessions
 from kvmemory.server.worker import Worker
 
 
 @dataclass
 class Context:
-    mem: object                    # a writable kvmemory.Memory
+    mem: Memory                    # a writable kvmemory.Memory
     worker: Worker
     chat: ChatService
     jobs: Jobs

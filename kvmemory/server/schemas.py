@@ -112,7 +112,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI parameters this server does not have: accepted only absent, null or empty
-UNSUPPORTED = ("top_logprobs", "tools", "tool_choice", "response_format", "audio", "prediction",
+UNSUPPORTED = ("tools", "tool_choice", "response_format", "audio", "prediction",
                "web_search_options", "functions", "function_call", "modalities", "reasoning_effort", "verbosity")
 _Unsupported = create_model("_Unsupported", __config__=STRICT, **{k: (Unsupported, None) for k in UNSUPPORTED})
 
@@ -143,7 +143,8 @@ class ChatCompletionRequest(_Unsupported):
     min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    logprobs: Annotated[bool | None, _neutral(False)] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     parallel_tool_calls: bool | None = None
     store: Annotated[bool | None, _neutral(False)] = None
     service_tier: Annotated[str | None, _neutral("auto", "default")] = None
@@ -166,11 +167,28 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    """The answer's tokens with their log-probabilities under the model (logprobs: true), and the
+    top_logprobs likeliest at each step. A conversation restored from the store gives the same
+    numbers, bit for bit, as the same conversation computed afresh."""
+    content: list[TokenLogprob] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class _Completion(BaseModel):
@@ -199,7 +217,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None       # streamed: every token's, on the chunk that finishes
 
 
 class ChatCompletionChunk(_Completion):

@@ -495,3 +495,72 @@ def test_a_chunked_body_is_limited_and_served(served):
     body = json.dumps({"text": "The harbour opens at dawn.", "doc_id": "chunked"}).encode()
     r = httpx.post(url + "/v1/documents", content=chunks(body, 7), headers={"content-type": "application/json"})
     assert r.status_code == 202 and r.json()["doc_id"] == "chunked"
+
+
+def test_logprobs_of_a_restored_conversation_equal_a_fresh_computation_bit_for_bit(served, tmp_path, tiny, rng):
+    """logprobs / top_logprobs through the official client, plain and streamed. The same conversation
+    asked again restores its prefix from the store (cached_tokens > 0) and gives the same numbers, bit
+    for bit, as when it was computed: and as a fresh store computing it the canonical way."""
+    from openai import OpenAI
+
+    from kvmemory.server import create_app
+    url, mem, _ = served
+    msgs = [{"role": "system", "content": words(rng, 180)}, {"role": "user", "content": words(rng, 60)}]
+    kw = dict(model=mem.model_name, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+
+    def ask(base):
+        return OpenAI(base_url=base + "/v1", api_key="unused").chat.completions.create(**kw)
+    first, again = ask(url), ask(url)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 == first.usage.prompt_tokens_details.cached_tokens
+    lp = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in first.choices[0].logprobs.content]
+    assert len(lp) == first.usage.completion_tokens and all(len(t[2]) == 3 and t[1] <= 0 for t in lp)
+    assert all(t[1] == t[2][0][1] for t in lp)                  # greedy: each token the likeliest
+    same = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in again.choices[0].logprobs.content]
+    assert same == lp
+    other = kvmemory.Memory(tmp_path / "fresh.kvm", model=tiny)
+    srv, t, url2 = _start(create_app(other, queue_size=4))
+    try:
+        fresh = ask(url2)
+        assert [(x.token, x.logprob) for x in fresh.choices[0].logprobs.content] == [(x[0], x[1]) for x in lp]
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        other.close()
+    streamed = OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(stream=True, **kw)
+    got = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs is not None]
+    assert len(got) == 1 and [(x.token, x.logprob) for x in got[0].content] == [(x[0], x[1]) for x in lp]
+    no = OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(
+        **{**kw, "logprobs": None, "top_logprobs": None})
+    assert no.choices[0].logprobs is None
+
+
+def test_text_completions_persist_like_chat_and_tokenize_round_trips(served, rng):
+    """completions.create through the official client, plain and streamed: the prompt's prefix is saved
+    and restored (cached_tokens), the same text either way, logprobs in the completions' shape; /tokenize
+    and /detokenize round-trip a prompt."""
+    from openai import OpenAI
+    url, mem, _ = served
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    prompt = words(rng, 300)
+    a = client.completions.create(model=mem.model_name, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    b = client.completions.create(model=mem.model_name, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0 < b.usage.prompt_tokens_details.cached_tokens
+    assert a.choices[0].text == b.choices[0].text and a.choices[0].logprobs.token_logprobs == \
+        b.choices[0].logprobs.token_logprobs
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == a.usage.completion_tokens == len(lp.text_offset) and all(len(t) == 2 for t in lp.top_logprobs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=mem.model_name, prompt=prompt, max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == a.choices[0].text
+    assert client.completions.create(model=mem.model_name, prompt="Hello", max_tokens=2).choices[0].finish_reason
+    r = httpx.post(url + "/v1/completions", json={"model": mem.model_name, "prompt": "x", "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    too_long = httpx.post(url + "/v1/completions", json={"model": mem.model_name, "prompt": "go " * 9000, "max_tokens": 4})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    toks = httpx.post(url + "/tokenize", json={"prompt": "Hello there, river"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0 and toks["max_model_len"] == mem.geometry.max_positions
+    assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello there, river"
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    from kvmemory import prompts
+    assert chat["tokens"] == prompts.chat_ids(mem.tokenizer, [{"role": "user", "content": "hi"}])
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400

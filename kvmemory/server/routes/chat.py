@@ -18,12 +18,12 @@ STREAMED = {200: {"content": {"text/event-stream": {"schema": ChatCompletionChun
                   "description": "the completion, or with stream: true its chunks as server-sent events"}}
 
 
-def record(c: Context, r: dict) -> None:
-    """A finished chat completion into the server's metrics."""
+def record(c: Context, r: dict, endpoint: str = "chat") -> None:
+    """A finished chat (or text) completion into the server's metrics."""
     if c.metrics is None:
         return
     m = r["kvmemory"] or {}
-    c.metrics.answered("chat", r.get("ttft_s"), restored=r["cached_tokens"], grafted=m.get("tokens_grafted", 0),
+    c.metrics.answered(endpoint, r.get("ttft_s"), restored=r["cached_tokens"], grafted=m.get("tokens_grafted", 0),
                        recomputed=m.get("tokens_recomputed", 0), decoded=r["completion_tokens"],
                        prefilled=r["prompt_tokens"] - r["cached_tokens"])
     c.metrics.remembered(r["kvmemory"])
@@ -46,13 +46,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
         r = await c.worker.run(c.chat.complete, p, lambda _: False, threading.Event())
         record(c, r)
         return ChatCompletion(**head, usage=usage(r), kvmemory=r["kvmemory"], choices=[Choice(
-            message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"])])
+            message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"],
+            logprobs=None if r["logprobs"] is None else {"content": r["logprobs"]})])
 
-    def chunk(delta: dict | None, finish=None, usage_: Usage | None = None, memory=None) -> bytes:
-        """A ChatCompletionChunk event; usage only with stream_options.include_usage (null until the last)."""
+    def chunk(delta: dict | None, finish=None, usage_: Usage | None = None, memory=None, logprobs=None) -> bytes:
+        """A ChatCompletionChunk event; usage only with stream_options.include_usage (null until the last);
+        with logprobs: true, every token's on the chunk that finishes."""
         obj = {**head, "object": "chat.completion.chunk",
                "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                     "logprobs": None}]}
+                                                     "logprobs": None if logprobs is None
+                                                     else {"content": logprobs}}]}
         if p.include_usage:
             obj["usage"] = usage_.model_dump() if usage_ is not None else None
         if memory is not None:
@@ -69,7 +72,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
             yield chunk({"content": payload})
         elif kind == "done":
             record(c, payload)
-            yield chunk({}, finish=payload["finish_reason"], memory=payload["kvmemory"])
+            yield chunk({}, finish=payload["finish_reason"], memory=payload["kvmemory"], logprobs=payload["logprobs"])
             if p.include_usage:
                 yield chunk(None, usage_=usage(payload))
             yield sse("[DONE]")
