@@ -24,6 +24,8 @@ import torch
 from kvmemory import kv as kvops, prompts
 from kvmemory.chat_memory.window import RECALL_TURNS
 from kvmemory.decode import Logprobs, TextStream, greedy, sampler
+from kvmemory.errors import InputError
+from kvmemory.grammar import Grammars
 from kvmemory.model import invariant
 from kvmemory.server.errors import ApiError
 from kvmemory.server.memory_chat import Prepared, memory_window, remember, session_memory, session_record
@@ -57,6 +59,7 @@ class ChatService:
         self.dropped = 0                           # deferred saves made moot (a session's next turn) or dropped
         self.failed = 0                            # deferred saves that raised (logged)
         self._anon = 0
+        self._grammars: Grammars | None = None
 
     def ids(self, messages: list[dict]) -> list[int]:
         return prompts.chat_ids(self.mem.tokenizer, messages)
@@ -88,6 +91,20 @@ class ChatService:
             return p.messages, []
         head, rest, k = self.keep_latest(p, room, from_user=True)
         return head + rest[k:], rest[:k]
+
+    def grammars(self) -> Grammars:
+        """The tokenizer converted for constrained decoding, once (about a second)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.mem.tokenizer, self.mem.model.get_input_embeddings().num_embeddings)
+        return self._grammars
+
+    def check_schema(self, p: ChatParams) -> None:
+        """response_format's schema compiles (before the request waits for the model): ApiError naming it."""
+        if p.schema is not None:
+            try:
+                self.grammars().matcher(p.schema)
+            except InputError as e:
+                raise ApiError(400, str(e), param="response_format") from None
 
     def check_prompt(self, p: ChatParams) -> None:
         """A text completion's prompt and max_tokens fit the window (a text prompt has no older turns
@@ -169,6 +186,8 @@ class ChatService:
                 stream = TextStream(mem.tokenizer, p.stop, emit)
                 pick = sampler(p.temperature, p.top_p, p.seed, **p.sampling,
                                **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {}))
+                if p.schema is not None:
+                    pick = self.grammars().constrain(pick, p.schema)
                 if p.logprobs is not None:
                     pick = Logprobs(pick, p.logprobs)
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,

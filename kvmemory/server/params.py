@@ -29,6 +29,7 @@ class ChatParams:
     sampling: dict = field(default_factory=dict)   # kvmemory.decode.sampler's keys beyond temperature/top_p
     logprobs: int | None = None    # None: none; else how many top_logprobs each token carries
     prompt_ids: list[int] | None = None   # a text completion's prompt, as tokens (no chat template)
+    schema: dict | None = None     # response_format's JSON schema: the answer constrained to it (kvmemory.grammar)
 
 
 def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, vocab: int = 1 << 31) -> ChatParams:
@@ -47,10 +48,17 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, v
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     sampling = sampling_of(req, vocab)
+    schema = None
+    if req.response_format is not None and req.response_format.type == "json_object":
+        schema = {"type": "object"}
+    elif req.response_format is not None and req.response_format.type == "json_schema":
+        if req.response_format.json_schema is None:
+            raise bad("response_format", "a json_schema response_format needs its json_schema")
+        schema = req.response_format.json_schema.schema_
     return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
                       1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
                       bool(req.stream_options and req.stream_options.include_usage), session, user,
-                      sampling, (req.top_logprobs or 0) if req.logprobs else None)
+                      sampling, (req.top_logprobs or 0) if req.logprobs else None, schema=schema)
 
 
 def check_common(req, model_ids: tuple[str, ...]) -> None:

@@ -112,9 +112,25 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI parameters this server does not have: accepted only absent, null or empty
-UNSUPPORTED = ("tools", "tool_choice", "response_format", "audio", "prediction",
+UNSUPPORTED = ("tools", "tool_choice", "audio", "prediction",
                "web_search_options", "functions", "function_call", "modalities", "reasoning_effort", "verbosity")
 _Unsupported = create_model("_Unsupported", __config__=STRICT, **{k: (Unsupported, None) for k in UNSUPPORTED})
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """Structured output: "json_object" (any JSON object) or "json_schema" (one schema, strict), both
+    by constrained decoding (kvmemory.grammar); "text" as without it."""
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Unsupported):
@@ -143,6 +159,7 @@ class ChatCompletionRequest(_Unsupported):
     min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     parallel_tool_calls: bool | None = None

@@ -564,3 +564,39 @@ def test_text_completions_persist_like_chat_and_tokenize_round_trips(served, rng
     from kvmemory import prompts
     assert chat["tokens"] == prompts.chat_ids(mem.tokenizer, [{"role": "user", "content": "hi"}])
     assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_structured_output_parses_into_a_pydantic_model(served):
+    """response_format json_schema (strict) through the official client's chat.completions.parse, and
+    json_object: the answer is constrained token by token to the schema (kvmemory.grammar), so it parses;
+    a schema that cannot be compiled is a 400 naming response_format."""
+    import json as _json
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class Trip(BaseModel):
+        city: Literal["Oslo", "Lima", "Perth"]
+        by_train: bool
+        nights: Literal[1, 2, 3]
+    url, mem, _ = served
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Plan a short trip. Answer in JSON."}]
+    r = client.chat.completions.parse(model=mem.model_name, messages=msgs, response_format=Trip, max_tokens=40,
+                                      temperature=0)
+    trip = r.choices[0].message.parsed
+    assert isinstance(trip, Trip) and r.choices[0].finish_reason == "stop"
+    sampled = client.chat.completions.parse(model=mem.model_name, messages=msgs, response_format=Trip, max_tokens=40,
+                                            temperature=1.0, seed=5)
+    assert isinstance(sampled.choices[0].message.parsed, Trip)
+    obj = client.chat.completions.create(model=mem.model_name, messages=msgs, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(_json.loads(obj.choices[0].message.content), dict)
+    else:                                      # cut by max_tokens: still a JSON object's beginning
+        assert obj.choices[0].message.content.startswith("{")
+    bad = httpx.post(url + "/v1/chat/completions", json={
+        "model": mem.model_name, "messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 7}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"

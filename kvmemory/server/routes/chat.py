@@ -40,6 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
     p = params_of(body, (c.model_id, "kvmemory"), request.headers, c.mem.model.get_input_embeddings().num_embeddings)
     if p.session is None:                  # no session to keep older turns in: refuse now, not mid-stream
         c.chat.overflows(p)
+    c.chat.check_schema(p)
     head = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": c.model_id,
             "system_fingerprint": "kvm-" + c.mem.fingerprint[-12:]}
     if not p.stream:
