@@ -184,16 +184,14 @@ class ChatService:
                 else:
                     w = self._prepare(p, ids)
                 stream = TextStream(mem.tokenizer, p.stop, emit)
-                pick = sampler(p.temperature, p.top_p, p.seed, **p.sampling,
-                               **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {}))
-                if p.schema is not None:
-                    pick = self.grammars().constrain(pick, p.schema)
-                if p.logprobs is not None:
-                    pick = Logprobs(pick, p.logprobs)
+                pick = self._pick(p, w, 0)
+                # more choices (n > 1): each from a copy of the window, its own seed, decoded beside this one
+                others = self._others(p, w) if p.n > 1 else None
                 new = greedy(mem.model, w.cache, w.logits, p.max_tokens, mem.eos_ids,
                              on_token=took,
                              pick=pick, feed=w.feed)
                 text = stream.finish(new)
+                extra = others() if others is not None else []
             cancelled = stream.halted or cancel.is_set()
             finish = "stop" if stream.stopped or len(new) < p.max_tokens else "length"
             if not cancelled and p.user is None and w.label is None:
@@ -202,10 +200,64 @@ class ChatService:
                 self._defer(session_record(p) if p.session else None, (p, replace(w, cache=None, logits=None), new))
             elif not cancelled:
                 self._finish(p, w, new, text)
+        lp = pick.content(mem.tokenizer, len(new)) if isinstance(pick, Logprobs) else None
+        choices = [{"text": text, "finish_reason": finish, "logprobs": lp}] + [c for c, _ in extra]
         return {"text": text, "finish_reason": finish, "prompt_tokens": w.window or len(w.ids),
-                "completion_tokens": len(new), "cached_tokens": w.cached, "kvmemory": w.memory,
-                "ttft_s": first[0] if first else None,
-                "logprobs": pick.content(mem.tokenizer, len(new)) if isinstance(pick, Logprobs) else None}
+                "completion_tokens": len(new) + sum(n for _, n in extra), "cached_tokens": w.cached,
+                "kvmemory": w.memory, "ttft_s": first[0] if first else None, "logprobs": lp, "choices": choices}
+
+    def _pick(self, p: ChatParams, w: Prepared, i: int):
+        """Choice i's pick: its sampler (seed + i), constrained to the schema, recording logprobs, as asked."""
+        pick = sampler(p.temperature, p.top_p, None if p.seed is None else p.seed + i, **p.sampling,
+                       **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {}))
+        if p.schema is not None:
+            pick = self.grammars().constrain(pick, p.schema)
+        if p.logprobs is not None:
+            pick = Logprobs(pick, p.logprobs)
+        return pick
+
+    def _others(self, p: ChatParams, w: Prepared):
+        """Choices 1..n-1 started now, each on a thread of its own from a copy of the window (before the
+        first choice's decoding writes it): in a batcher they join the shared decode loop beside choice 0;
+        alone they decode one after the other once joined. Returns join() -> [(choice, tokens)]."""
+        import threading as th
+
+        from kvmemory import batching
+        mem, b = self.mem, batching.current()
+        n_ctx = w.cache.get_seq_length()
+        copies = [kvops.make_cache(kvops.cache_slice(w.cache, 0, n_ctx) if n_ctx else None, mem.model.config)
+                  for _ in range(p.n - 1)]
+        out: list = [None] * (p.n - 1)
+
+        def decode(i: int) -> None:
+            if b is not None:
+                batching.serving(b)
+            try:
+                pick = self._pick(p, w, i + 1)
+                s = TextStream(mem.tokenizer, p.stop)
+                new = greedy(mem.model, copies[i], w.logits, p.max_tokens, mem.eos_ids, on_token=s, pick=pick,
+                             feed=w.feed)
+                text = s.finish(new)
+                lp = pick.content(mem.tokenizer, len(new)) if isinstance(pick, Logprobs) else None
+                out[i] = ({"text": text, "finish_reason": "stop" if s.stopped or len(new) < p.max_tokens else "length",
+                           "logprobs": lp}, len(new))
+            except BaseException as e:     # noqa: BLE001 -- raised again on the request's thread
+                out[i] = e
+        if b is None:
+            def one_by_one():
+                for i in range(p.n - 1):
+                    decode(i)
+                return _results(out)
+            return one_by_one
+        threads = [th.Thread(target=decode, args=(i,), daemon=True) for i in range(p.n - 1)]
+        for t in threads:
+            t.start()
+
+        def join():
+            for t in threads:
+                t.join()
+            return _results(out)
+        return join
 
     def _finish(self, p: ChatParams, w: Prepared, new: list[int], text: str | None, save: bool = True) -> None:
         """After a reply: the conversation with it saved, computed canonically (without what was
@@ -296,3 +348,10 @@ class ChatService:
                 self.later.pop(key, None)         # last: while it is listed, its save is not done
             n += 1
         return n
+
+
+def _results(out: list) -> list:
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out

@@ -30,6 +30,7 @@ class ChatParams:
     logprobs: int | None = None    # None: none; else how many top_logprobs each token carries
     prompt_ids: list[int] | None = None   # a text completion's prompt, as tokens (no chat template)
     schema: dict | None = None     # response_format's JSON schema: the answer constrained to it (kvmemory.grammar)
+    n: int = 1                     # choices, decoded beside each other (seed + i each)
 
 
 def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, vocab: int = 1 << 31) -> ChatParams:
@@ -45,6 +46,8 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, v
     stop = stops_of(req)
     mt = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    if (req.n or 1) > 1 and req.stream:
+        raise bad("n", "n > 1 is served without stream (the choices come whole)")
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     sampling = sampling_of(req, vocab)
@@ -58,7 +61,7 @@ def params_of(req: ChatCompletionRequest, model_ids: tuple[str, ...], headers, v
     return ChatParams(messages, 1.0 if req.temperature is None else req.temperature,
                       1.0 if req.top_p is None else req.top_p, mt, stop, req.seed, req.stream,
                       bool(req.stream_options and req.stream_options.include_usage), session, user,
-                      sampling, (req.top_logprobs or 0) if req.logprobs else None, schema=schema)
+                      sampling, (req.top_logprobs or 0) if req.logprobs else None, schema=schema, n=req.n or 1)
 
 
 def check_common(req, model_ids: tuple[str, ...]) -> None:

@@ -151,7 +151,7 @@ class ChatCompletionRequest(_Unsupported):
     user: Text | None = None
     safety_identifier: Text | None = None
     metadata: dict[str, str] | None = None
-    n: Annotated[int | None, _neutral(1)] = None
+    n: Annotated[int | None, Field(ge=1, le=8)] = None
     # sampling, as OpenAI's and vLLM's servers take it (kvmemory.decode.Sampler)
     frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = None

@@ -600,3 +600,34 @@ def test_structured_output_parses_into_a_pydantic_model(served):
         "model": mem.model_name, "messages": msgs, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 7}}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("batch", [8, 1])
+def test_n_choices_each_with_its_seed(tmp_path, tiny, batch):
+    """n = 3 through the official client: three choices (decoded beside each other in the batch, or one
+    after the other with --batch 1), choice i sampled with seed + i (choice 0 is the n = 1 answer), the
+    usage counting every choice's tokens; at temperature 0 all three are the greedy answer."""
+    from openai import OpenAI
+
+    from kvmemory.server import create_app
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
+    srv, t, url = _start(create_app(mem, queue_size=4, batch=batch))
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        kw = dict(model=mem.model_name, max_tokens=6, messages=[{"role": "user", "content": "Tell me a story."}])
+        three = client.chat.completions.create(n=3, temperature=1.0, seed=11, **kw)
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        texts = [c.message.content for c in three.choices]
+        for i in range(3):
+            alone = client.chat.completions.create(temperature=1.0, seed=11 + i, **kw).choices[0].message.content
+            assert alone == texts[i]
+        toks = [len(mem.tokenizer(x, add_special_tokens=False)["input_ids"]) for x in texts]
+        assert three.usage.completion_tokens >= sum(min(6, n) for n in toks) - 3
+        greedy = client.chat.completions.create(n=3, temperature=0, **kw)
+        assert len({c.message.content for c in greedy.choices}) == 1
+        r = httpx.post(url + "/v1/chat/completions", json={**kw, "n": 2, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()

@@ -47,8 +47,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, c: Con
         r = await c.worker.run(c.chat.complete, p, lambda _: False, threading.Event())
         record(c, r)
         return ChatCompletion(**head, usage=usage(r), kvmemory=r["kvmemory"], choices=[Choice(
-            message=AssistantMessage(content=r["text"]), finish_reason=r["finish_reason"],
-            logprobs=None if r["logprobs"] is None else {"content": r["logprobs"]})])
+            index=i, message=AssistantMessage(content=x["text"]), finish_reason=x["finish_reason"],
+            logprobs=None if x["logprobs"] is None else {"content": x["logprobs"]}) for i, x in enumerate(r["choices"])])
 
     def chunk(delta: dict | None, finish=None, usage_: Usage | None = None, memory=None, logprobs=None) -> bytes:
         """A ChatCompletionChunk event; usage only with stream_options.include_usage (null until the last);
