@@ -95,3 +95,34 @@ def test_a_users_memory_survives_a_sigkill(tmp_path, tiny_dir):
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait()
+
+
+@pytest.mark.real_model
+def test_a_fact_told_is_answered_in_a_new_session_after_a_restart(tmp_path):
+    """The real default model in a real `kvmemory serve`, through the official client: a user tells a
+    fact in their own words and the model replies (its own reply); the server is stopped and started
+    again on the same store; in a new session the user asks for the fact in another form and the answer
+    holds it: recalled from the user's memory as KV (kvmemory.chat_memory, keep="user")."""
+    store = tmp_path / "k.kvm"
+    port = _free_port()
+    p = _spawn_server(store, port)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300)
+        c.chat.completions.create(model="kvmemory", temperature=0, max_tokens=24, user="ada", prompt_cache_key="monday",
+                                  messages=[{"role": "user", "content": "Please remember that my locker combination "
+                                             "is 52917."}])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+    port = _free_port()
+    p = _spawn_server(store, port)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="kvmemory", temperature=0, max_tokens=32, user="ada", prompt_cache_key="friday",
+                                      messages=[{"role": "user", "content": "What is my locker combination? Answer "
+                                                 "with the number."}])
+        assert any("52917" in x["text"] for x in r.model_extra["kvmemory"]["recalled"])
+        assert "52917" in r.choices[0].message.content
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()

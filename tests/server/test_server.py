@@ -309,7 +309,8 @@ def _free_port() -> int:
 
 
 def _spawn_server(store, port, model=None):
-    cmd = [sys.executable, "-m", "kvmemory.cli", "serve", str(store), "--port", str(port)]
+    # warning: the access lines (info) are not read from the pipe here, and a full pipe blocks a server
+    cmd = [sys.executable, "-m", "kvmemory.cli", "serve", str(store), "--port", str(port), "--log-level", "warning"]
     if model is not None:
         cmd += ["--model", str(model)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
