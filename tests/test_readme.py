@@ -55,18 +55,11 @@ def test_the_python_quickstart_runs(tmp_path, monkeypatch, capsys):
 @pytest.mark.real_model
 def test_the_openai_quickstart_runs_against_a_live_server(tmp_path):
     import kvmemory
-    from kvmemory.server import create_app
-    from tests.server.test_server import _start
+    from tests.server.test_server import serving
     code = next(b for b in blocks("python") if "from openai import OpenAI" in b)
-    mem = kvmemory.Memory(tmp_path / "notes.kvm")
-    srv, t, url = _start(create_app(mem, queue_size=4, max_body_bytes=1 << 20))
-    try:
+    with serving(kvmemory.Memory(tmp_path / "notes.kvm")) as url:
         scope: dict = {}
         exec(compile(code.replace("http://127.0.0.1:8000", url), "README.md", "exec"), scope)   # noqa: S102
         recalled = scope["later"].model_extra["kvmemory"]["recalled"]
         assert any("52917" in r["text"] for r in recalled)        # the told turn came back, as KV
         assert scope["said"].choices[0].message.content
-    finally:
-        srv.should_exit = True
-        t.join(timeout=10)
-        mem.close()

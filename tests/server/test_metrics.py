@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 import kvmemory
-from tests.server.test_server import _start
+from tests.server.test_server import serving
 
 pytest.importorskip("prometheus_client")
 
@@ -30,10 +30,7 @@ def value(m: dict, name: str, **labels) -> float:
 
 
 def test_metrics_parse_and_move_with_the_requests(tmp_path, tiny):
-    from kvmemory.server import create_app
-    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny, segment_blocks=1)
-    srv, t, url = _start(create_app(mem, queue_size=4, max_body_bytes=1 << 20))
-    try:
+    with serving(kvmemory.Memory(tmp_path / "s.kvm", model=tiny, segment_blocks=1), max_body_bytes=1 << 20) as url:
         before = scrape(url)
         assert value(before, "kvmemory_requests_total") == 0 and value(before, "kvmemory_store_blocks") == 0
         r = httpx.post(url + "/v1/documents", json={"doc_id": "d", "text": "The vault code is 4417. " * 40},
@@ -62,24 +59,13 @@ def test_metrics_parse_and_move_with_the_requests(tmp_path, tiny):
         assert value(m, "kvmemory_store_blocks") > 0 and value(m, "kvmemory_store_bytes") > 0
         assert value(m, "kvmemory_pager_misses_total", tier="host") > 0        # ask read its blocks through it
         assert value(m, "kvmemory_queue_depth") == 0
-    finally:
-        srv.should_exit = True
-        t.join(timeout=10)
-        mem.close()
 
 
 def test_metrics_are_behind_the_api_key(tmp_path, tiny):
-    from kvmemory.server import create_app
-    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
-    srv, t, url = _start(create_app(mem, queue_size=4, api_key="sesame"))
-    try:
+    with serving(kvmemory.Memory(tmp_path / "s.kvm", model=tiny), api_key="sesame") as url:
         assert httpx.get(url + "/metrics", timeout=30).status_code == 401
         m = scrape(url, headers={"authorization": "Bearer sesame"})
         assert value(m, "kvmemory_requests_total", route="unmatched", status="401") == 1    # the refused scrape
-    finally:
-        srv.should_exit = True
-        t.join(timeout=10)
-        mem.close()
 
 
 def test_every_request_has_an_id_on_its_response_and_its_log_lines(tmp_path, tiny):
@@ -90,12 +76,10 @@ def test_every_request_has_an_id_on_its_response_and_its_log_lines(tmp_path, tin
     import logging
 
     from kvmemory.cli.serve import FORMATS, LEVELS
-    from kvmemory.server import create_app, logs
+    from kvmemory.server import logs
     assert (LEVELS, FORMATS) == (logs.LEVELS, logs.FORMATS)
     out = io.StringIO()
     handler = logs.configure("info", "json", stream=out)
-    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
-    srv, t, url = _start(create_app(mem, queue_size=4))
     seen = []
     probe = logging.getLogger("kvmemory.probe")
     from kvmemory.server import chat as chat_module
@@ -107,22 +91,20 @@ def test_every_request_has_an_id_on_its_response_and_its_log_lines(tmp_path, tin
         return real(self, p, emit, cancel)
     chat_module.ChatService.complete = complete
     try:
-        r = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "client-42"}, timeout=60,
-                       json={"model": "kvmemory", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
-        assert r.headers["x-request-id"] == "client-42" and seen == ["client-42"]
-        made = httpx.get(url + "/health", headers={"X-Request-Id": "no\tgood"}, timeout=30).headers["x-request-id"]
-        assert made != "no\tgood" and len(made) == 32
-        lines = [json.loads(x) for x in out.getvalue().splitlines()]
-        mine = [x for x in lines if x["request_id"] == "client-42"]
-        assert {x["logger"] for x in mine} >= {"kvmemory.probe", "kvmemory.access"}
-        acc = next(x for x in mine if x["logger"] == "kvmemory.access")
-        assert acc["status"] == 200 and acc["path"] == "/v1/chat/completions" and acc["duration_ms"] > 0
-        assert any(x["request_id"] == made and x.get("path") == "/health" for x in lines)
+        with serving(kvmemory.Memory(tmp_path / "s.kvm", model=tiny)) as url:
+            r = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "client-42"}, timeout=60,
+                           json={"model": "kvmemory", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.headers["x-request-id"] == "client-42" and seen == ["client-42"]
+            made = httpx.get(url + "/health", headers={"X-Request-Id": "no\tgood"}, timeout=30).headers["x-request-id"]
+            assert made != "no\tgood" and len(made) == 32
+            lines = [json.loads(x) for x in out.getvalue().splitlines()]
+            mine = [x for x in lines if x["request_id"] == "client-42"]
+            assert {x["logger"] for x in mine} >= {"kvmemory.probe", "kvmemory.access"}
+            acc = next(x for x in mine if x["logger"] == "kvmemory.access")
+            assert acc["status"] == 200 and acc["path"] == "/v1/chat/completions" and acc["duration_ms"] > 0
+            assert any(x["request_id"] == made and x.get("path") == "/health" for x in lines)
     finally:
         chat_module.ChatService.complete = real
-        srv.should_exit = True
-        t.join(timeout=10)
-        mem.close()
         for name in ("kvmemory", "uvicorn", "uvicorn.error"):
             lg = logging.getLogger(name)
             lg.handlers = [h for h in lg.handlers if h is not handler]

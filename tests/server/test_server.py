@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 import time
 
 import pytest
@@ -31,6 +32,20 @@ def _start(app):
         time.sleep(0.02)
     port = srv.servers[0].sockets[0].getsockname()[1]
     return srv, t, f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def serving(mem, **kw):
+    """A live server of create_app(mem, **kw) on an ephemeral port: yields its URL; stopped, and mem closed,
+    at the end."""
+    from kvmemory.server import create_app
+    srv, t, url = _start(create_app(mem, **{"queue_size": 4, **kw}))
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+        mem.close()
 
 
 @pytest.fixture
@@ -504,7 +519,6 @@ def test_logprobs_of_a_restored_conversation_equal_a_fresh_computation_bit_for_b
     for bit, as when it was computed: and as a fresh store computing it the canonical way."""
     from openai import OpenAI
 
-    from kvmemory.server import create_app
     url, mem, _ = served
     msgs = [{"role": "system", "content": words(rng, 180)}, {"role": "user", "content": words(rng, 60)}]
     kw = dict(model=mem.model_name, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
@@ -518,15 +532,9 @@ def test_logprobs_of_a_restored_conversation_equal_a_fresh_computation_bit_for_b
     assert all(t[1] == t[2][0][1] for t in lp)                  # greedy: each token the likeliest
     same = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in again.choices[0].logprobs.content]
     assert same == lp
-    other = kvmemory.Memory(tmp_path / "fresh.kvm", model=tiny)
-    srv, t, url2 = _start(create_app(other, queue_size=4))
-    try:
+    with serving(kvmemory.Memory(tmp_path / "fresh.kvm", model=tiny)) as url2:
         fresh = ask(url2)
         assert [(x.token, x.logprob) for x in fresh.choices[0].logprobs.content] == [(x[0], x[1]) for x in lp]
-    finally:
-        srv.should_exit = True
-        t.join(timeout=10)
-        other.close()
     streamed = OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(stream=True, **kw)
     got = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs is not None]
     assert len(got) == 1 and [(x.token, x.logprob) for x in got[0].content] == [(x[0], x[1]) for x in lp]
@@ -610,10 +618,8 @@ def test_n_choices_each_with_its_seed(tmp_path, tiny, batch):
     usage counting every choice's tokens; at temperature 0 all three are the greedy answer."""
     from openai import OpenAI
 
-    from kvmemory.server import create_app
     mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
-    srv, t, url = _start(create_app(mem, queue_size=4, batch=batch))
-    try:
+    with serving(mem, batch=batch) as url:
         client = OpenAI(base_url=url + "/v1", api_key="unused")
         kw = dict(model=mem.model_name, max_tokens=6, messages=[{"role": "user", "content": "Tell me a story."}])
         three = client.chat.completions.create(n=3, temperature=1.0, seed=11, **kw)
@@ -628,7 +634,3 @@ def test_n_choices_each_with_its_seed(tmp_path, tiny, batch):
         assert len({c.message.content for c in greedy.choices}) == 1
         r = httpx.post(url + "/v1/chat/completions", json={**kw, "n": 2, "stream": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    finally:
-        srv.should_exit = True
-        t.join(timeout=10)
-        mem.close()
