@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from kvmemory.server.context import Context, ctx
-from kvmemory.server.errors import from_exception
+from kvmemory.server.errors import bad, from_exception
 from kvmemory.server.params import completion_params
 from kvmemory.server.routes.chat import record, usage
 from kvmemory.server.schemas_text import (Completion, CompletionChoice, CompletionRequest, DetokenizeRequest,
@@ -72,7 +72,6 @@ async def completions(body: CompletionRequest, request: Request, c: Context = De
 async def tokenize(body: TokenizeRequest, c: Context = Depends(ctx)):
     """A prompt's token ids, or chat messages' in the model's chat template (with the assistant's opening)."""
     from kvmemory import prompts
-    from kvmemory.server.errors import bad
     if (body.prompt is None) == (body.messages is None):
         raise bad("prompt", "give a prompt or messages, one of them")
     tok = c.mem.tokenizer
@@ -86,7 +85,6 @@ async def tokenize(body: TokenizeRequest, c: Context = Depends(ctx)):
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, c: Context = Depends(ctx)):
-    from kvmemory.server.errors import bad
     vocab = c.mem.model.get_input_embeddings().num_embeddings
     if any(t >= vocab for t in body.tokens):
         raise bad("tokens", f"token ids are in 0..{vocab - 1}")
