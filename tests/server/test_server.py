@@ -116,7 +116,7 @@ def test_sampling_parameters_are_honoured_or_refused(served, rng):
         stop = full[2:4]
         cut = client.chat.completions.create(temperature=0, stop=[stop], **{**kw, "max_tokens": 12})
         assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
-    for bad, param in (({"n": 2}, "n"), ({"presence_penalty": 3.0}, "presence_penalty"),
+    for bad, param in (({"n": 9}, "n"), ({"presence_penalty": 3.0}, "presence_penalty"),
                        ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
                        ({"logit_bias": {"x1": 2}}, "logit_bias"), ({"logit_bias": {"99999999": 2}}, "logit_bias"),
                        ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
