@@ -297,14 +297,18 @@ class Library:
         pieces: list = []
         ids: list[int] = []
         exact = 0
-        for i, e in enumerate(chosen):
+        chains = []
+        for e in chosen:
             entry = store.manifest.states.get(e.entry_id)
             if entry is None:
                 raise StateNotFoundError(f"library entry {e.entry_id}: its state is no longer in the store")
-            rows = store.chain(entry.last_row)
-            meta = store.verified_meta(rows)
-            n = [int(x) for x in meta["n_tokens"]]
-            toks = [int(t) for k, row in zip(n, meta["tokens"]) for t in row[:k]]
+            chains.append(store.chain(entry.last_row))
+        meta = store.verified_meta([r for rows in chains for r in rows])     # one verified read for all
+        at = 0
+        for i, (e, rows) in enumerate(zip(chosen, chains)):
+            n = [int(x) for x in meta["n_tokens"][at:at + len(rows)]]
+            toks = [int(t) for k, row in zip(n, meta["tokens"][at:at + len(rows)]) for t in row[:k]]
+            at += len(rows)
             if toks[:P] != self.prelude_ids:
                 raise StoreCorruptError(f"library entry {e.entry_id} does not start with the library prelude")
             start = 0 if i == 0 else P
