@@ -39,13 +39,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from haystack import SHAPES, haystack, make_questions, real_questions  # noqa: E402
+from haystack import GENERATORS, SHAPES, generated, haystack, real_questions  # noqa: E402
 from common import describe, seed_of, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.graft import window_tokens  # noqa: E402
-from kvmemory.config import ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_MARGIN, ASK_TOP_K  # noqa: E402
+from kvmemory.config import (ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_KEEP,  # noqa: E402
+                             ASK_RERANK_MARGIN, ASK_TOP_K)
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
 
@@ -61,7 +62,9 @@ def parse_config(name: str) -> dict:
     out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE,
            "rerank": 0}
     for part in name.split("-"):
-        if part.startswith("rr"):
+        if part == "keep":
+            out["rerank_keep"] = True
+        elif part.startswith("rr"):
             out["rerank"] = int(part[2:])
         elif part.startswith("m"):
             out["rerank_margin"] = float(part[1:])
@@ -268,7 +271,8 @@ def _record(r, q, reply, recall, ttft, prefilled, restored) -> None:
     r["seamed"].append(False)
 
 
-def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
+def run_size(model, size: int, generator: str, args, rng, work: Path, configs: dict) -> tuple[dict, dict]:
+    """One generator's questions at one size, on fresh haystacks: (summary, raw per-question results)."""
     per_doc = args.needles_per_doc or min(args.questions, max(8, size // 1024))
     methods = [m for m in ("ceiling", "full", "rag") if m in args.methods] + list(configs)
     res = {m: {k: [] for k in ("correct", "shape", "recall", "ttft", "prefilled", "restored", "recomputed", "kl",
@@ -278,37 +282,60 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
     examples, docs, left, n = [], [], args.questions, 0
     while left > 0:
         take = min(per_doc, left)
-        n_real = take // len(SHAPES)                   # one in five questions is about the real prose
-        qs = make_questions(rng, take - n_real)
-        docs.append(run_doc(model, size, qs, args, rng, work, configs, res, sel, examples, n, n_real))
+        # "mixed": one in five questions is about the real prose; "real": all of them
+        n_real = take if generator == "real" else take // len(SHAPES) if generator == "mixed" else 0
+        qs = generated(rng, generator, take - n_real)
+        docs.append(run_doc(model, size, qs, args, rng, work, configs, res, sel, examples, len(docs), n_real))
         got = len(examples) - n
         left -= got if got else take                   # a haystack short of real sentences: move on
         n = len(examples)
     res = {m: r for m, r in res.items() if r["correct"]}
-    out = {"size": size, "doc_tokens": statistics.mean(d["doc_tokens"] for d in docs), "haystacks": len(docs),
-           "deposits_reused": sum(d["deposit_reused"] for d in docs),
+    out = {"size": size, "generator": generator, "doc_tokens": statistics.mean(d["doc_tokens"] for d in docs),
+           "haystacks": len(docs), "deposits_reused": sum(d["deposit_reused"] for d in docs),
            "questions": n, "deposit_s": sum(d["deposit_s"] for d in docs),
            "x_window": statistics.mean(d["doc_tokens"] for d in docs) / 8192,
            "selection_recall": {s: {str(k): v / n for k, v in d.items()} for s, d in sel.items()},
-           "methods": {}, "examples": examples}
-    first, rag = res.get(next(iter(configs), None)), res.get("rag")
+           "methods": summarize(res, n, configs), "examples": examples}
+    return out, res
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test of wins against losses (ties dropped): the chance of a split at least
+    this uneven if either side were as likely to win each question."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def summarize(res: dict, n: int, configs: dict) -> dict:
+    """Per method: accuracy, CI, recall, TTFT, and paired counts against the first config, against
+    the first config that does not re-rank (with a sign test's p) and against text RAG."""
+    first = res.get(next(iter(configs), None))
+    plain = res.get(next((m for m, kw in configs.items() if not kw.get("rerank")), None))
+    rag = res.get("rag")
 
     def paired(r, other):
         """Question by question against `other`: [right where it was wrong, wrong where it was right]."""
         return ([sum(a and not b for a, b in zip(r["correct"], other["correct"])),
                  sum(b and not a for a, b in zip(r["correct"], other["correct"]))] if other else None)
 
+    out = {}
     for m, r in res.items():
         k = sum(r["correct"])
         ttft = sorted(r["ttft"])
-        out["methods"][m] = {
+        vs_plain = paired(r, plain)
+        out[m] = {
+            "correct": k,
             "paired_vs_first_config": paired(r, first), "paired_vs_rag": paired(r, rag),
+            "paired_vs_no_rerank": vs_plain, "sign_p_vs_no_rerank": sign_test(*vs_plain) if vs_plain else None,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
             "seamed_share": sum(r["seamed"]) / n,
             "recomputed_mean": statistics.mean(r["recomputed"]),
             "accuracy": k / n, "ci95": wilson(k, n), "recall": sum(r["recall"]) / n,
             "by_shape": {s: sum(c for c, sh in zip(r["correct"], r["shape"]) if sh == s) /
-                         max(1, r["shape"].count(s)) for s in SHAPES},
+                         max(1, r["shape"].count(s)) for s in sorted(set(r["shape"]))},
             "ttft_median_s": statistics.median(r["ttft"]), "prefilled_median": statistics.median(r["prefilled"]),
             "restored_median": statistics.median(r["restored"]),
             "recomputed_median": statistics.median(r["recomputed"]),
@@ -319,18 +346,43 @@ def run_size(model, size: int, args, rng, work: Path, configs: dict) -> dict:
     return out
 
 
+def pooled(size: int, rows: list[dict], raws: list[dict], configs: dict) -> dict:
+    """The generators of one size together: their per-question results concatenated."""
+    res: dict = {}
+    for raw in raws:
+        for m, r in raw.items():
+            dst = res.setdefault(m, {k: [] for k in r if not k.startswith("_")})
+            for k in dst:
+                dst[k] += r[k]
+    n = sum(r["questions"] for r in rows)
+    return {"size": size, "generator": "pooled", "doc_tokens": statistics.mean(r["doc_tokens"] for r in rows),
+            "haystacks": sum(r["haystacks"] for r in rows), "deposits_reused": sum(r["deposits_reused"] for r in rows),
+            "questions": n, "deposit_s": sum(r["deposit_s"] for r in rows),
+            "x_window": statistics.mean(r["x_window"] for r in rows),
+            "selection_recall": {s: {k: sum(r["selection_recall"][s][k] * r["questions"] for r in rows) / n
+                                     for k in rows[0]["selection_recall"][s]} for s in rows[0]["selection_recall"]},
+            "methods": summarize(res, n, configs), "examples": []}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="7600,32768,131072", help="document tokens per haystack, comma-separated")
     ap.add_argument("--questions", type=int, default=60, help="questions per size (default 60)")
     ap.add_argument("--needles-per-doc", type=int, default=None,
                     help="questions per haystack (default: size/1024, at least 8); more haystacks make up the rest")
-    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-rr{ASK_RERANK}-m{ASK_RERANK_MARGIN:g},k{ASK_TOP_K}",
+    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-rr{ASK_RERANK}-m{ASK_RERANK_MARGIN:g}{'-keep' * ASK_RERANK_KEEP},"
+                                         f"k{ASK_TOP_K},k{ASK_TOP_K}-rr8-m0.5,k{ASK_TOP_K}-rr8-m0.5-keep",
                     help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB][-sS][-last], "
                          "comma-separated (rr: re-rank N blocks with the model, 0 unless named; m: its margin, "
-                         "b: max_context_tokens, s: seam tokens, last: order best_last); default: ask's "
-                         "defaults, then the same without the re-rank")
+                         "b: max_context_tokens, s: seam tokens, last: order best_last, keep: rerank_keep); "
+                         "default: ask's defaults, then no re-rank, the re-rank alone and the re-rank that keeps "
+                         "the first ranking's best (a repeated setting is run once)")
     ap.add_argument("--methods", default="ceiling,full,rag", help="baselines: ceiling, full, rag")
+    ap.add_argument("--generators", default=",".join(GENERATORS),
+                    help="question generators, each drawn fresh, reported alone and pooled (default: all): "
+                         "mixed (four needle shapes and real-prose blanks), records (same-shape records that "
+                         "differ in one attribute), paraphrase (few words shared with the passage), span (two "
+                         "facts a paragraph apart), real (a word blanked out of the haystack's own prose)")
     ap.add_argument("--selectors", default="text,dense,bm25,keys", help="selectors whose recall@k is measured")
     ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh random seed (printed)")
@@ -350,7 +402,14 @@ def main() -> None:
     args = ap.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
     args.selectors = [s for s in args.selectors.split(",") if s]
-    configs = {f"kvm-{c}": parse_config(c) for c in args.configs.split(",") if c}
+    args.generators = [g for g in args.generators.split(",") if g]
+    if unknown := sorted(set(args.generators) - set(GENERATORS)):
+        raise SystemExit(f"unknown generator(s) {', '.join(unknown)}; they are {', '.join(GENERATORS)}")
+    configs: dict = {}
+    for c in args.configs.split(","):
+        kw = parse_config(c) if c else None
+        if kw is not None and kw not in configs.values():       # ask's defaults named twice: once
+            configs[f"kvm-{c}"] = kw
     seed = seed_of(args)
     print(f"seed {seed}", file=sys.stderr)
     rng = random.Random(seed)
@@ -359,31 +418,39 @@ def main() -> None:
     from kvmemory.model import load_model
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir(),
                                dtype=getattr(torch, args.dtype))
-    rows = [run_size((model, tok), int(s), args, rng, work, configs) for s in args.sizes.split(",")]
+    rows = []
+    for s in args.sizes.split(","):
+        got = [run_size((model, tok), int(s), g, args, rng, work, configs) for g in args.generators]
+        rows += [r for r, _ in got]
+        if len(got) > 1:
+            rows.append(pooled(int(s), [r for r, _ in got], [raw for _, raw in got], configs))
     machine = describe()
     result = {"benchmark": "qa", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": seed,
               "prose": args.prose, "dtype": args.dtype, "machine": machine, "configs": {k: v for k, v in configs.items()}, "max_new_tokens": args.max_new_tokens,
               "command": " ".join(sys.argv), "rows": rows}
     print(f"\nQA — SmolLM2-135M-Instruct {args.dtype}, seed {seed}; {machine['cpu']}, {machine['cores']} cores")
-    print(f"{'doc tokens':>10} {'x win':>5} {'n':>3} {'method':>16} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
+    print(f"{'doc tokens':>10} {'generator':>10} {'x win':>5} {'n':>3} {'method':>20} {'accuracy':>8} {'95% CI':>11} {'recall':>6} "
           f"{'TTFT s':>7} {'p90 s':>6} {'prefilled':>9} {'restored':>8} {'recomp':>6} {'KL vs rag':>9} {'seamed':>6} "
-          f"{'+/- 1st':>7} {'+/- rag':>7}")
+          f"{'+/- 1st':>7} {'+/- rag':>7} {'+/- rr0':>7} {'p':>5}")
     for r in rows:
         for m, v in r["methods"].items():
             kl = f"{v['kl_vs_rag_median']:.2g}" if v["kl_vs_rag_median"] is not None else "-"
-            print(f"{r['doc_tokens']:10.0f} {r['x_window']:5.1f} {r['questions']:3d} {m:>16} {v['accuracy']:8.0%} "
+            p = f"{v['sign_p_vs_no_rerank']:.2f}" if v["sign_p_vs_no_rerank"] is not None else "-"
+            print(f"{r['doc_tokens']:10.0f} {r['generator']:>10} {r['x_window']:5.1f} {r['questions']:3d} {m:>20} "
+                  f"{v['accuracy']:8.0%} "
                   f"{v['ci95'][0]:5.0%}-{v['ci95'][1]:4.0%} {v['recall']:6.0%} {v['ttft_median_s']:7.2f} "
                   f"{v['ttft_p90_s']:6.2f} {v['prefilled_median']:9.0f} {v['restored_median']:8.0f} "
                   f"{v['recomputed_median']:6.0f} {kl:>9} {v['seamed_share']:6.0%} "
                   f"{'+%d/-%d' % tuple(v['paired_vs_first_config'] or (0, 0)):>7} "
-                  f"{'+%d/-%d' % tuple(v['paired_vs_rag'] or (0, 0)):>7}")
+                  f"{'+%d/-%d' % tuple(v['paired_vs_rag'] or (0, 0)):>7} "
+                  f"{'+%d/-%d' % tuple(v['paired_vs_no_rerank'] or (0, 0)):>7} {p:>5}")
     for r in rows:
-        print(f"{r['doc_tokens']:10.0f}: {r['haystacks']} haystacks, {r['deposits_reused']} deposits reused "
+        print(f"{r['doc_tokens']:10.0f} {r['generator']:>10}: {r['haystacks']} haystacks, {r['deposits_reused']} deposits reused "
               f"(--keep), {r['deposit_s']:.0f} s depositing")
     print("\nselection recall@k (needle inside the k best blocks)")
     for r in rows:
         for s, d in r["selection_recall"].items():
-            print(f"{r['doc_tokens']:10.0f} {s:>6} " + "  ".join(f"@{k} {v:4.0%}" for k, v in d.items()))
+            print(f"{r['doc_tokens']:10.0f} {r['generator']:>10} {s:>6} " + "  ".join(f"@{k} {v:4.0%}" for k, v in d.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d") + (f"-{args.tag}" if args.tag else "")
@@ -395,26 +462,32 @@ def main() -> None:
 
 
 def _plot(rows, path) -> None:
+    """Per size: accuracy of every method per generator (bars, 95% CI) and median TTFT."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    methods = list(dict.fromkeys(m for r in rows for m in r["methods"]))
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for m in methods:
-        xs = [r["doc_tokens"] for r in rows if m in r["methods"]]
-        acc = [r["methods"][m]["accuracy"] for r in rows if m in r["methods"]]
-        lo = [r["methods"][m]["accuracy"] - r["methods"][m]["ci95"][0] for r in rows if m in r["methods"]]
-        hi = [r["methods"][m]["ci95"][1] - r["methods"][m]["accuracy"] for r in rows if m in r["methods"]]
-        a.errorbar(xs, acc, yerr=[lo, hi], fmt="o-", capsize=3, label=m)
-        b.plot(xs, [r["methods"][m]["ttft_median_s"] for r in rows if m in r["methods"]], "o-", label=m)
-    for s in rows[0]["selection_recall"]:
-        c.plot([r["doc_tokens"] for r in rows], [r["selection_recall"][s][str(ASK_TOP_K)] for r in rows], "o-",
-               label=f"{s} @{ASK_TOP_K}")
-    a.set(xscale="log", xlabel="document tokens", ylabel="accuracy (95% CI)", ylim=(-0.05, 1.05), title="QA accuracy")
-    b.set(xscale="log", yscale="log", xlabel="document tokens", ylabel="seconds", title="time to first token (median)")
-    c.set(xscale="log", xlabel="document tokens", ylabel="recall", ylim=(-0.05, 1.05), title="selection recall")
-    for ax in (a, b, c):
-        ax.legend(fontsize=7)
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(16, 4.4 * len(sizes)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]})
+    for (a, b), size in zip(axes, sizes):
+        here = [r for r in rows if r["size"] == size]
+        methods = list(dict.fromkeys(m for r in here for m in r["methods"]))
+        w = 0.8 / len(methods)
+        for j, m in enumerate(methods):
+            xs = [i + j * w for i, r in enumerate(here) if m in r["methods"]]
+            v = [r["methods"][m] for r in here if m in r["methods"]]
+            a.bar(xs, [x["accuracy"] for x in v], w, label=m,
+                  yerr=[[x["accuracy"] - x["ci95"][0] for x in v], [x["ci95"][1] - x["accuracy"] for x in v]],
+                  capsize=2)
+        a.set_xticks([i + 0.4 - w / 2 for i in range(len(here))],
+                     [f"{r['generator']}\n(n={r['questions']})" for r in here])
+        a.set(ylabel="accuracy (95% CI)", ylim=(0, 1.05), title=f"QA accuracy per question generator, {size} tokens")
+        a.legend(fontsize=7, ncol=2)
+        pool = next((r for r in here if r["generator"] == "pooled"), here[-1])
+        ms = list(pool["methods"])
+        b.barh(ms, [pool["methods"][m]["ttft_median_s"] for m in ms])
+        b.set(xlabel="seconds", title=f"median TTFT ({pool['generator']})")
+        b.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

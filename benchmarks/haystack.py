@@ -43,6 +43,8 @@ class Question:
     needles: tuple[str, ...]     # sentences placed in the haystack
     question: str
     answers: tuple[str, ...]     # every one must appear in a correct reply
+    distractors: tuple[str, ...] = ()   # sentences placed too that answer no question (same-shape records)
+    gap: int = 0                 # > 0: the needles placed in order, this many prose paragraphs apart
 
 
 def paragraphs(rng: random.Random, min_chars: int = 200, prose: str = "stdlib") -> list[str]:
@@ -108,12 +110,117 @@ def make_questions(rng: random.Random, n: int) -> list[Question]:
     return out
 
 
+GENERATORS = ("mixed", "records", "paraphrase", "span", "real")
+RECORD_COLOURS = ["purple", "orange", "green", "yellow", "silver", "golden", "scarlet", "turquoise", "beige",
+                  "magenta", "lavender", "navy", "pink", "brown", "grey", "white", "black", "cyan", "bronze", "ivory"]
+BIRDS = ["herons", "swans", "cranes", "storks", "gulls", "ducks", "geese", "egrets", "pelicans", "terns",
+         "coots", "grebes", "plovers", "curlews", "ibises", "cormorants"]
+LAKES = ["Lake Ohrid", "Lake Bled", "Lake Como", "Lake Garda", "Lake Constance", "Lake Balaton", "Lake Geneva",
+         "Lake Annecy", "Lake Vanern", "Lake Saimaa"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+INSTRUMENTS = ["cello", "oboe", "banjo", "harp", "trumpet", "accordion", "clarinet", "mandolin", "bassoon", "sitar"]
+FLOWERS = ["tulips", "peonies", "lilies", "dahlias", "orchids", "marigolds", "irises", "camellias", "poppies"]
+
+
+def records(rng: random.Random, n: int, per_family: int = 12) -> list[Question]:
+    """Same-shape records that differ in one attribute: a dozen lockers told apart by colour, a
+    dozen bird counts at one lake told apart by the bird, a dozen appointments told apart by the
+    person. n of them are asked about; every record of a family is in the haystack (the others as
+    distractors of the first question), so each question has eleven near-twins."""
+    out: list[Question] = []
+    while len(out) < n:
+        kind = ("locker", "birds", "date")[(len(out) // per_family) % 3]
+        recs = []
+        if kind == "locker":
+            for c in rng.sample(RECORD_COLOURS, per_family):
+                v = str(rng.randrange(1000, 9999))
+                recs.append((f"The {c} locker holds the number {v}.", f"What number does the {c} locker hold?", (v,)))
+        elif kind == "birds":
+            lake = rng.choice(LAKES)
+            for b in rng.sample(BIRDS, per_family):
+                v = str(rng.randrange(11, 499))
+                recs.append((f"At the {lake} survey, the count of {b} was {v}.",
+                             f"How many {b} were counted at the {lake} survey?", (v,)))
+        else:
+            people = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], per_family)
+            for who in people:
+                m, d = rng.choice(MONTHS), str(rng.randrange(2, 29))
+                recs.append((f"The dentist appointment of {who} is on {m} {d}.",
+                             f"On which date is the dentist appointment of {who}?", (m, d)))
+        take = min(n - len(out), per_family)
+        asked, rest = recs[:take], recs[take:]
+        for i, (needle, q, a) in enumerate(asked):
+            out.append(Question("records", (needle,), q, a, tuple(r[0] for r in rest) if i == 0 else ()))
+    return out
+
+
+def paraphrased(rng: random.Random, n: int) -> list[Question]:
+    """Questions that share the person's name with their passage and few other words."""
+    people = iter(rng.sample([f"{f} {l}" for f in FIRST for l in LAST], len(FIRST) * len(LAST)))
+    cities = iter(rng.sample(CITIES, len(CITIES)))
+    out = []
+    for i in range(n):
+        who = next(people)
+        k = i % 5
+        if k == 0:
+            c = next(cities)
+            out.append(Question("paraphrase", (f"{who} was born in the harbour town of {c}.",),
+                                f"Where is the birthplace of {who}?", (c,)))
+        elif k == 1:
+            c = next(cities)
+            out.append(Question("paraphrase", (f"Every winter, {who} takes the train to see relatives in {c}.",),
+                                f"Which place does {who} visit family in during the cold season?", (c,)))
+        elif k == 2:
+            v = str(rng.randrange(120, 990))
+            out.append(Question("paraphrase", (f"The bakery owned by {who} sells {v} loaves on an ordinary morning.",),
+                                f"How much bread does the shop of {who} make per day?", (v,)))
+        elif k == 3:
+            v = rng.choice(INSTRUMENTS)
+            out.append(Question("paraphrase", (f"{who} learned to play the {v} from a neighbour at age nine.",),
+                                f"Which musical instrument does {who} know?", (v,)))
+        else:
+            v = rng.choice(FLOWERS)
+            out.append(Question("paraphrase", (f"The garden behind the house of {who} is full of {v}.",),
+                                f"What plants grow in the backyard of {who}?", (v,)))
+    return out
+
+
+def spanning(rng: random.Random, n: int) -> list[Question]:
+    """Two facts about one person a prose paragraph apart (most often in adjacent blocks): both needed."""
+    people = iter(rng.sample([f"{f} {l}" for f in FIRST for l in LAST], len(FIRST) * len(LAST)))
+    cities = iter(rng.sample(CITIES, len(CITIES)))
+    out = []
+    for _ in range(n):
+        who, c, v = next(people), next(cities), str(rng.randrange(100, 999))
+        out.append(Question("span", (f"{who} rented a flat in {c} this spring.",
+                                     f"The door code of that flat of {who} is {v}."),
+                            f"In which city is the flat of {who}, and what is its door code?", (c, v), gap=1))
+    return out
+
+
+def generated(rng: random.Random, generator: str, n: int) -> list[Question]:
+    """n needle questions of a generator (GENERATORS; "mixed": make_questions' four shapes; "real"
+    has no needles: real_questions draws them from the haystack's text)."""
+    if generator == "mixed":
+        return make_questions(rng, n)
+    if generator == "records":
+        return records(rng, n)
+    if generator == "paraphrase":
+        return paraphrased(rng, n)
+    if generator == "span":
+        return spanning(rng, n)
+    if generator == "real":
+        return []
+    raise ValueError(f"generator is one of {GENERATORS}, got {generator!r}")
+
+
 def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Question], prose: str = "stdlib") -> str:
     """n_tokens (give or take a paragraph) of shuffled prose with every needle at a random depth
     (a paragraph boundary). The prose is cut to size before the needles go in, so none is lost.
     Past the end of `prose`'s paragraphs they repeat (stdlib: past ~0.1M tokens; "site": ~5M)."""
     paras = paragraphs(rng, prose=prose)
-    needles = [nd for q in questions for nd in q.needles]
+    needles = [nd for q in questions for nd in q.needles + q.distractors]
     room = n_tokens - sum(len(tokenizer(nd, add_special_tokens=False)["input_ids"]) + 1 for nd in needles)
     chosen, total, i = [], 0, 0
     while True:
@@ -124,8 +231,17 @@ def haystack(rng: random.Random, tokenizer, n_tokens: int, questions: list[Quest
         chosen.append(p)
         total += n
         i += 1
-    for nd in needles:
-        chosen.insert(rng.randrange(len(chosen) + 1), nd)
+    for q in questions:
+        units = list(q.distractors)
+        if q.gap:                   # the needles in order, q.gap prose paragraphs apart, as one unit
+            parts = [q.needles[0]]
+            for nd in q.needles[1:]:
+                parts += [chosen.pop(rng.randrange(len(chosen))) for _ in range(q.gap)] + [nd]
+            units.append("\n\n".join(parts))
+        else:
+            units += q.needles
+        for u in units:
+            chosen.insert(rng.randrange(len(chosen) + 1), u)
     return "\n\n".join(chosen)
 
 

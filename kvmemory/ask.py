@@ -74,8 +74,9 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
     select_s = time.perf_counter() - t
     rr = {"blocks": 0, "tokens_restored": 0, "tokens_prefilled": 0, "seconds": 0.0}
     if opts.rerank > 1:
-        ranked, rr = rerank_blocks(rt, docs, q_ids, relevant(pool, opts.rerank, opts.min_relevance), opts.rerank)
-        ranked = within_margin(ranked, opts.top_k, opts.rerank_margin)
+        first = relevant(pool, opts.rerank, opts.min_relevance)
+        ranked, rr = rerank_blocks(rt, docs, q_ids, first, opts.rerank)
+        ranked = within_margin(ranked, opts.top_k, opts.rerank_margin, keep=first[0] if opts.rerank_keep else None)
     else:
         ranked = relevant(pool, opts.top_k, opts.min_relevance)
     cands, context = graft.candidates(rt, docs, ranked, opts.expand)

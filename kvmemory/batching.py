@@ -96,13 +96,23 @@ class _Seq:
         return True
 
 
+# decoder layers whose forward is exactly the loop of forward_many (norm, q/k/v with optional bias,
+# rotate-half RoPE over the whole head, attention, o_proj, residual, norm, gated MLP, residual) in
+# models whose forward adds nothing around them; another family's layers (Granite's multipliers,
+# Gemma's scaled embeddings, QK-norm, fused projections, partial rotary) run the model's own forward
+# per sequence instead (exact, not batched)
+BATCHED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+
+
 def llama_like(model) -> bool:
-    """Whether the batched step knows this model's layers (Llama, SmolLM, Qwen2-style decoders)."""
+    """Whether the batched step knows this model's layers (Llama, SmolLM, Qwen2, Mistral decoders)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return False
     a, l0 = getattr(layers[0], "self_attn", None), layers[0]
+    if any(type(layer).__name__ not in BATCHED_LAYERS for layer in layers):
+        return False
     return (a is not None and all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
             and all(hasattr(l0, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
             and all(hasattr(l0.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ class StoreConfig:
             raise InputError(f"codec must be one of {CODECS}, got {self.codec!r}")
 
 
-DTYPES = ("float32", "bfloat16")     # what a model loaded from disk may compute in (a loaded model: KVGeometry.dtype)
+DTYPES = ("float32", "bfloat16", "float16")   # what a model loaded from disk may compute in (a loaded model: KVGeometry.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class RuntimeConfig:
         the default model's prefill ~2.5x and a decode step ~1.8x faster on a CPU with AVX-512 BF16
         (docs/concepts/precision.md); its KV takes half the bytes. A store records its dtype and opens only
         with it: blocks of one dtype are exact against that dtype's computation.
+    device: where a model loaded from disk computes: "cpu" (None: the default), "cuda", "cuda:N" or
+        "auto" (cuda where there is one); a device the machine lacks is an error, never a fallback.
     """
 
     lock_timeout_s: float = 30.0
@@ -78,8 +81,12 @@ class RuntimeConfig:
     store_cache_bytes: int = 8 << 30
     invariant: bool = False
     dtype: str | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
+        if self.device is not None and not (self.device in ("cpu", "cuda", "auto") or
+                                            re.fullmatch(r"cuda:\d+", str(self.device))):
+            raise InputError(f"device is cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.lock_timeout_s < 0:
@@ -121,6 +128,7 @@ _ENV = {
     "KVMEMORY_STORE_CACHE_BYTES": ("store_cache_bytes", int),
     "KVMEMORY_INVARIANT": ("invariant", _flag),
     "KVMEMORY_DTYPE": ("dtype", _dtype),
+    "KVMEMORY_DEVICE": ("device", str),
 }
 
 
@@ -149,6 +157,8 @@ ASK_MIN_RELEVANCE = 0.75
 # (19 gained, 6 lost, paired), at the same median time to first token
 ASK_RERANK = 8
 ASK_RERANK_MARGIN = 0.5        # of 0.1 and 0.5 measured at 32K and 131K (bench_qa), 0.5 answered more
+# keep the first ranking's best block in the window whatever the re-rank says (its best joins it)
+ASK_RERANK_KEEP = False
 # the grafted tokens of one answer, whatever the store's size (window.plan)
 ASK_CONTEXT_TOKENS = 2048
 # recompute the first ASK_SEAM tokens of every grafted run that is not exact, at every layer

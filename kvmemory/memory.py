@@ -47,8 +47,12 @@ class Memory:
     """A KV memory store bound to one model.
 
     Memory(path) opens the store at `path` or creates it (an empty or missing directory),
-    with the embedded default model. `model` may be a local transformers directory, a
-    loaded model (pass `tokenizer=` too) or a (model, tokenizer) tuple. Opening a store
+    with the embedded default model. `model` may be a local transformers directory, a .gguf file
+    (dequantized to float32 once and cached), a Hugging Face Hub id already in the local cache
+    (never downloaded), a loaded model (pass `tokenizer=` too) or a (model, tokenizer) tuple; a
+    model the engine cannot keep exact (kvmemory/model/families.py) raises ModelLoadError with the
+    reason. `device`: where a model loaded from disk computes ("cpu", "cuda", "cuda:N", "auto";
+    default env KVMEMORY_DEVICE, else cpu). Opening a store
     written by a model with another fingerprint raises ModelMismatchError. A store whose
     directory is not writable, or `read_only=True`, opens read-only: writes raise
     StoreReadOnlyError. Use as a context manager or call close().
@@ -84,7 +88,7 @@ class Memory:
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
                  dtype: torch.dtype | None = None, segment_blocks: int | None = None,
                  storage_options: dict | None = None, work_dir=None, store_cache_bytes: int | None = None,
-                 invariant: bool | None = None) -> None:
+                 invariant: bool | None = None, device: str | None = None) -> None:
         if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
@@ -94,7 +98,8 @@ class Memory:
         if dtype is not None and not isinstance(dtype, str):
             raise InputError(f"dtype must be a torch dtype or its name, got {dtype!r}")
         self.runtime = from_env(RuntimeConfig, lock_timeout_s=lock_timeout_s, cache_dir=cache_dir,
-                                store_cache_bytes=store_cache_bytes, invariant=invariant, dtype=dtype)
+                                store_cache_bytes=store_cache_bytes, invariant=invariant, dtype=dtype,
+                                device=device)
         # where the store is, before the model loads: a bad path or URL fails in milliseconds
         loc = locate(path, must_exist=read_only, storage_options=storage_options, work_dir=work_dir)
         self.location, self.path = loc.name, loc.root
@@ -105,7 +110,7 @@ class Memory:
         want = self.runtime.dtype
         self.model, self.tokenizer, self.model_name = load_model(
             model, tokenizer=tokenizer, cache_dir=self.runtime.resolved_cache_dir(),
-            dtype=getattr(torch, want) if want else None)
+            dtype=getattr(torch, want) if want else None, device=self.runtime.device)
         if dtype is not None and (got := geometry(self.model).dtype) != dtype:
             raise InputError(f"dtype={dtype} was asked for, but the model passed in computes in {got}: "
                              f"convert it (model.to(torch.{dtype})) or leave dtype out")

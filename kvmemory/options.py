@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_ORDER, ASK_RECOMPUTE, ASK_RERANK,
-                             ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
+                             ASK_RERANK_KEEP, ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
 from kvmemory.errors import InputError
 from kvmemory.index import SELECTORS
 from kvmemory.window import ORDERS
@@ -42,7 +42,8 @@ class AskOptions:
     window re-read). min_relevance: a selected block after the first needs this fraction of the
     first's BM25 score. rerank: the fused ranking's first `rerank` blocks re-ordered by the
     question's likelihood over their stored KV (0 or 1: off); rerank_margin: a second block only
-    within this many nats per question token of the best. max_context_tokens: the grafted tokens at
+    within this many nats per question token of the best; rerank_keep: the first ranking's best block
+    stays in the window whatever the re-rank says (the re-rank's best joins it). max_context_tokens: the grafted tokens at
     most, whatever the store's size. seam: the first `seam` tokens of every grafted run that meets
     context it was not computed in, recomputed. order: "document" or "best_last"."""
 
@@ -54,6 +55,7 @@ class AskOptions:
     min_relevance: float = ASK_MIN_RELEVANCE
     rerank: int = ASK_RERANK
     rerank_margin: float = ASK_RERANK_MARGIN
+    rerank_keep: bool = ASK_RERANK_KEEP
     max_context_tokens: int = ASK_CONTEXT_TOKENS
     seam: int = ASK_SEAM
     order: str = ASK_ORDER
@@ -74,6 +76,8 @@ class AskOptions:
                              f"got {self.rerank!r}")
         if not _num(self.rerank_margin) or not self.rerank_margin >= 0:
             raise InputError(f"rerank_margin is in nats per question token, a number >= 0, got {self.rerank_margin!r}")
+        if not isinstance(self.rerank_keep, bool):
+            raise InputError(f"rerank_keep is true or false, got {self.rerank_keep!r}")
         if not _int(self.max_context_tokens, 1):
             raise InputError(f"max_context_tokens is a number of tokens >= 1, got {self.max_context_tokens!r}")
         if not _int(self.seam, 0):
@@ -111,6 +115,8 @@ HELP = {
     "min_relevance": ("F", "drop selected blocks whose BM25 score is below F x the best block's (0..1)"),
     "rerank": ("N", "re-rank the first N ranked blocks by the question's likelihood over their stored KV (0: off)"),
     "rerank_margin": ("M", "with rerank, keep a block after the best only within M nats per question token"),
+    "rerank_keep": (None, "with rerank, keep the first ranking's best block in the window; the re-rank's best "
+                          "joins it"),
     "max_context_tokens": ("N", "at most N grafted tokens, whatever the store's size"),
     "seam": ("N", "recompute the first N tokens of every grafted run that meets context it was not computed in, "
                   "at every layer (0: off)"),

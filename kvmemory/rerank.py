@@ -97,10 +97,16 @@ def rerank(rt: Runtime, docs, q_ids: list[int], ranked: list[Ranked], n: int) ->
                  "seconds": time.perf_counter() - t0}
 
 
-def within_margin(ranked: list[Ranked], top_k: int, margin: float) -> list[Ranked]:
+def within_margin(ranked: list[Ranked], top_k: int, margin: float, keep: Ranked | None = None) -> list[Ranked]:
     """The best re-ranked block, then each of the next top_k - 1 whose score is within `margin`
-    nats (per question token) of the best's."""
+    nats (per question token) of the best's. `keep` (the first ranking's best): always in the
+    result, second where the re-rank put another block first (first where top_k is 1), so a re-rank
+    can add a block to the window but never drop the one the lexical and dense ranks agreed on."""
     if not ranked:
         return []
     best = ranked[0].score
-    return [ranked[0]] + [h for h in ranked[1:top_k] if h.score >= best - margin]
+    out = [ranked[0]] + [h for h in ranked[1:top_k] if h.score >= best - margin]
+    if keep is None or any(h.row == keep.row for h in out):
+        return out
+    mine = next((h for h in ranked if h.row == keep.row), keep)     # with its re-rank score
+    return [mine] if top_k == 1 else [ranked[0], mine] + [h for h in out[1:top_k - 1]]

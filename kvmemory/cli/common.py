@@ -26,14 +26,19 @@ __all__ = ["CREATES", "EPILOG", "KVMemoryError", "model_arg", "open_memory", "po
 
 
 def model_arg(sp) -> None:
-    sp.add_argument("--model", metavar="DIR", default=None,
-                    help="local transformers model directory (default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--model", metavar="MODEL", default=None,
+                    help="a local transformers model directory, a .gguf file (dequantized to float32 once, then "
+                         "cached) or a Hugging Face Hub id already in the local cache (nothing is downloaded); "
+                         "default: the embedded SmolLM2-135M-Instruct")
+    sp.add_argument("--device", default=None, metavar="DEVICE",
+                    help="cpu (default), cuda, cuda:N or auto (cuda where there is one); a device this machine "
+                         "lacks is an error (env KVMEMORY_DEVICE)")
     sp.add_argument("--invariant", action="store_true", default=None,
                     help="compute with the invariant kernels: the same KV bytes whatever the chunking, the batch "
                          "or the thread count (slower: docs/concepts/exactness.md); a store records its mode and "
                          "opens only in it (env KVMEMORY_INVARIANT=1)")
     sp.add_argument("--dtype", choices=DTYPES, default=None,
-                    help="what the model computes in, for a store being created (default float32; env "
+                    help="what a model loaded from disk computes in, for a store being created (default float32; env "
                          "KVMEMORY_DTYPE): bfloat16 prefills ~2.5x and decodes ~1.8x faster where the CPU has "
                          "AVX-512 BF16 or AMX, its KV half the bytes. A store records its dtype: an existing one is "
                          "opened in it (another --dtype is an error)")
@@ -84,4 +89,5 @@ def open_memory(args, read_only=False, create=False, **kw):
         raise KVMemoryError(f"no kvmemory store at {args.store}; check the path, or create one with kvmemory save "
                             "or kvmemory add")
     return Memory(args.store, model=getattr(args, "model", None), read_only=read_only,
-                  invariant=getattr(args, "invariant", None), dtype=store_dtype(args), **kw)
+                  invariant=getattr(args, "invariant", None), dtype=store_dtype(args),
+                  device=getattr(args, "device", None), **kw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import argparse
 import dataclasses
 
 from kvmemory.cli.common import KVMemoryError, open_memory, positive_int
@@ -87,8 +88,8 @@ def ask_arguments(sp) -> None:
     for f in dataclasses.fields(AskOptions):
         metavar, text = HELP[f.name]
         if f.type in (bool, "bool"):
-            sp.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", default=None,
-                            help=f"do not {text}")
+            sp.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=argparse.BooleanOptionalAction,
+                            default=None, help=f"{text} (default: {'yes' if f.default else 'no'})")
             continue
         kind = {"int": positive_int if f.name in ("top_k", "max_new_tokens", "max_context_tokens") else int,
                 "float": float, "str": str}[str(f.type)]

@@ -68,10 +68,10 @@ def cmd_serve(args) -> int:
                   address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
                   queue_size=args.queue, max_body_bytes=args.max_body_mb << 20, batch=args.batch,
                   invariant=args.invariant, ask_rerank=args.ask_rerank, dtype=store_dtype(args),
-                  invariant_rows=args.invariant_rows)
+                  invariant_rows=args.invariant_rows, device=args.device)
         return 0
     serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
           max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant,
           ask_rerank=args.ask_rerank, dtype=store_dtype(args), invariant_rows=args.invariant_rows,
-          log_level=args.log_level, log_format=args.log_format)
+          log_level=args.log_level, log_format=args.log_format, device=args.device)
     return 0

@@ -42,9 +42,9 @@ def _dtype_name(dtype) -> str:
 
 
 def geometry(model) -> KVGeometry:
+    from kvmemory.model import families
+    families.check(model.config)
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise ModelLoadError(f"{type(model).__name__} uses sliding-window attention, which kvmemory does not support yet")
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
     if not rope or rope.get("rope_theta") is None:
         raise ModelLoadError(f"{type(model).__name__} has no RoPE parameters; kvmemory needs a RoPE causal LM")

@@ -250,7 +250,15 @@ def register() -> None:
 
 def install(model) -> None:
     """Put the model in invariant mode, in place (idempotent), after checking that this machine's
-    kernels allow it (`choose`: the first scheme `check` accepts)."""
+    kernels allow it (`choose`: the first scheme `check` accepts), and that every product of the
+    model is an nn.Linear it can replace: a mixture of experts multiplies each expert's weights
+    over the tokens routed to it (how many depends on the batch), so it is refused."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 3:
+            raise InvariantUnavailableError(
+                f"{type(model).__name__} multiplies {name} {tuple(p.shape)} outside nn.Linear (a mixture of "
+                "experts: each expert's product runs over the tokens routed to it, whose count depends on the "
+                "batch); invariant mode covers nn.Linear products only")
     scheme = choose(model)
     register()
     for mod in model.modules():

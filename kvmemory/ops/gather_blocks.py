@@ -6,7 +6,7 @@
     dst     [k] int64            token offset of each slot in the window buffer
     shift   [k] int64            slot position - deposit position (0: exact byte copy)
     out     [L, 2, H, T, D]      the window buffer (written in place)
-    freqs   [D / 2] float32      RoPE inverse frequencies (rotate-half layout)
+    freqs   [R / 2] float32      RoPE inverse frequencies (rotate-half layout over the first R <= D dims)
 
 Values (index 1) are copied as is; keys (index 0) are rotated by shift * freqs. A zero shift
 is a byte-exact copy. The math is done in float64 and rounded once to the buffer's dtype.
@@ -33,8 +33,8 @@ def _check(pool, idx, n, dst, shift, out, freqs) -> None:
                          "do not match")
     if not (len(idx) == len(n) == len(dst) == len(shift)):
         raise ValueError("idx, n, dst and shift must have one entry per gathered block")
-    if freqs.shape[-1] * 2 != out.shape[4] or pool.dtype != out.dtype:
-        raise ValueError("freqs must have head_dim / 2 entries and pool/out the same dtype")
+    if freqs.shape[-1] * 2 > out.shape[4] or freqs.shape[-1] == 0 or pool.dtype != out.dtype:
+        raise ValueError("freqs must have rotary dims / 2 entries (at most head_dim / 2) and pool/out the same dtype")
     if len(n) and (int(n.max()) > pool.shape[4] or int((dst + n).max()) > out.shape[3] or int(dst.min()) < 0):
         raise ValueError("a block does not fit its slot in the window buffer")
 
@@ -57,7 +57,8 @@ def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
 
 def gather_blocks(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
     """Dispatch: the CUDA kernel for CUDA tensors when it is built, otherwise the reference."""
-    if out.is_cuda and not isinstance(pool, (list, tuple)):
+    # the kernel rotates whole heads; a partial rotary's keys go through the reference (the same float64 rotation)
+    if out.is_cuda and not isinstance(pool, (list, tuple)) and freqs.shape[-1] * 2 == out.shape[4]:
         from kvmemory.ops import cuda_ext
 
         kernel = cuda_ext.load()

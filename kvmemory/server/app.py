@@ -230,15 +230,16 @@ def check_exposure(host: str, api_key: str | None) -> None:
 def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key: str | None = None,
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
           invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
-          invariant_rows: bool | None = None, log_level: str = "info", log_format: str = "text") -> None:
-    """Open (or create) the store and serve it until interrupted (invariant, dtype: Memory's;
+          invariant_rows: bool | None = None, log_level: str = "info", log_format: str = "text",
+          device: str | None = None) -> None:
+    """Open (or create) the store and serve it until interrupted (invariant, dtype, device: Memory's;
     invariant_rows: create_app's; log_level, log_format: kvmemory.server.logs)."""
     import uvicorn
 
     from kvmemory.memory import Memory
     check_exposure(host, api_key)
     logs.configure(log_level, log_format)
-    mem = Memory(store, model=model, invariant=invariant, dtype=dtype)
+    mem = Memory(store, model=model, invariant=invariant, dtype=dtype, device=device)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
                            ask_rerank=ask_rerank, invariant_rows=invariant_rows),
                 host=host, port=port, log_config=None, log_level=log_level)

@@ -121,14 +121,14 @@ class Replica:
     def __init__(self, rank: int, store: str, model, api_key, queue_size: int, max_body_bytes: int,
                  storage_options, batch: int | None = None, invariant: bool | None = None,
                  ask_rerank: int | None = None, dtype: str | None = None,
-                 invariant_rows: bool | None = None) -> None:
+                 invariant_rows: bool | None = None, device: str | None = None) -> None:
         from kvmemory.memory import Memory
         from kvmemory.server.app import DEFAULT_BATCH, create_app
         from kvmemory.server.persist import SERVE_DIR
 
         self.rank = int(rank)
         kw = {"storage_options": storage_options} if storage_options else {}
-        self.mem = Memory(store, model=model, invariant=invariant, dtype=dtype, **kw)
+        self.mem = Memory(store, model=model, invariant=invariant, dtype=dtype, device=device, **kw)
         self.app = create_app(self.mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes,
                               serve_dir=Path(self.mem.path) / SERVE_DIR / f"replica-{self.rank}",
                               job_prefix=f"job-r{self.rank}-", batch=DEFAULT_BATCH if batch is None else batch,
@@ -198,7 +198,8 @@ class Router:
 def build(store, replicas: int = 2, model=None, api_key: str | None = None, queue_size: int = 32,
           max_body_bytes: int = 16 << 20, storage_options: dict | None = None, num_cpus: float = 1,
           num_gpus: float | None = None, batch: int | None = None, invariant: bool | None = None,
-          ask_rerank: int | None = None, dtype: str | None = None, invariant_rows: bool | None = None):
+          ask_rerank: int | None = None, dtype: str | None = None, invariant_rows: bool | None = None,
+          device: str | None = None):
     """The Ray Serve application (Router over `replicas` Replica copies)."""
     ray, serve = _serve()
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -211,7 +212,7 @@ def build(store, replicas: int = 2, model=None, api_key: str | None = None, queu
                              max_ongoing_requests=queue_size + 8).bind(i, str(store), model, api_key, queue_size,
                                                                         max_body_bytes, storage_options, batch,
                                                                         invariant, ask_rerank, dtype,
-                                                                        invariant_rows)
+                                                                        invariant_rows, device)
             for i in range(replicas)]
     front = serve.deployment(Router, name="kvmemory-router", num_replicas=1, ray_actor_options={"num_cpus": 0})
     return front.bind(*reps)
@@ -221,7 +222,7 @@ def serve_ray(store, host: str = "127.0.0.1", port: int = 8000, replicas: int = 
               model=None, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
               storage_options: dict | None = None, blocking: bool = True, batch: int | None = None,
               invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
-              invariant_rows: bool | None = None):
+              invariant_rows: bool | None = None, device: str | None = None):
     """Start (or join) a Ray cluster, run the application on host:port; blocks until interrupted
     unless blocking=False (then returns the Router's handle)."""
     from kvmemory.server.app import check_exposure
@@ -232,7 +233,8 @@ def serve_ray(store, host: str = "127.0.0.1", port: int = 8000, replicas: int = 
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     app = build(store, replicas, model, api_key, queue_size, max_body_bytes, storage_options, batch=batch,
-                invariant=invariant, ask_rerank=ask_rerank, dtype=dtype, invariant_rows=invariant_rows)
+                invariant=invariant, ask_rerank=ask_rerank, dtype=dtype, invariant_rows=invariant_rows,
+                device=device)
     handle = serve.run(app, name="kvmemory", route_prefix="/")
     for i in range(replicas):                       # every replica up: model loaded, deposit thread started
         serve.get_deployment_handle(f"kvmemory-replica-{i}", app_name="kvmemory").ping.remote().result()

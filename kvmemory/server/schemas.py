@@ -331,6 +331,7 @@ class AskRequest(BaseModel):
     min_relevance: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     rerank: Annotated[int | None, Field(ge=0, le=64)] = None
     rerank_margin: Annotated[float | None, Field(ge=0.0, le=100.0)] = None
+    rerank_keep: bool | None = None
     max_context_tokens: Annotated[int | None, Field(ge=1, le=1 << 20)] = None
     seam: Annotated[int | None, Field(ge=0, le=4096)] = None
     order: Literal[tuple(ORDERS)] | None = None               # type: ignore[valid-type]
