@@ -37,6 +37,18 @@ def test_the_install_commands_name_extras_and_files_that_exist():
         assert re.search(rf"^{target}:", make, re.M), target
 
 
+def test_the_support_matrix_is_the_conformance_suites_families():
+    """Every family the suite builds has its row in the README, and the README names no tested family
+    the suite does not build."""
+    from kvmemory.model.families import FAMILIES
+    section = README.split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in re.findall(r"^\| ([^|]+) \| ([^|]+) \|", section, re.M) if r[0] not in ("family", "---")]
+    assert len(rows) == len(FAMILIES)
+    for label in FAMILIES.values():
+        head = label.split(" (")[0]
+        assert any(head.split(" /")[0] in r[0] for r in rows), label
+
+
 def test_the_environment_reference_lists_every_variable():
     from kvmemory.config import _ENV
     page = (ROOT / "docs" / "reference" / "environment.md").read_text()

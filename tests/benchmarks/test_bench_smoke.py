@@ -1,4 +1,4 @@
-"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py, bench_codec.py, bench_lexical.py and
+"""bench_flat_access.py, bench_qa.py, bench_invariant.py, bench_select.py, bench_codec.py, bench_lexical.py, bench_models.py and
 bench_serve.py run end to end at a tiny size (so they do not rot), and what they report holds: the window's grafted
 tokens stay within ask's budget at every size, a kept deposit is reused by a run that draws the same text,
 invariant mode is exact, probing every IVF list is the exact search, the compact tier is half the
@@ -37,6 +37,7 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
         return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "4",
                                "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
                                "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
+                               "--generators", "mixed,records",
                                "--out", str(tmp_path), "--tag", tag], cwd=ROOT, capture_output=True, text=True,
                               timeout=900)
     first, second = run("a"), run("b")
@@ -53,6 +54,15 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     assert a["configs"]["kvm-k2"]["rerank"] == 0 and a["configs"]["kvm-k2-rr4-m0.1"]["rerank"] == 4
     assert a["configs"]["kvm-k2-s16-last"]["seam"] == 16 and a["configs"]["kvm-k2-s16-last"]["order"] == "best_last"
     assert [e["replies"] for e in a["rows"][0]["examples"]] == [e["replies"] for e in b["rows"][0]["examples"]]
+    # one row per generator, then the pooled row: its counts are the generators' summed
+    assert [r["generator"] for r in a["rows"]] == ["mixed", "records", "pooled"]
+    mixed, records, pooled = a["rows"]
+    assert pooled["questions"] == mixed["questions"] + records["questions"]
+    assert {e["shape"] for e in records["examples"]} == {"records"}
+    for m in pooled["methods"]:
+        assert pooled["methods"][m]["correct"] == mixed["methods"][m]["correct"] + records["methods"][m]["correct"]
+    assert pooled["methods"]["kvm-k2"]["paired_vs_no_rerank"] == [0, 0]          # k2 is the no-re-rank config
+    assert 0 < pooled["methods"]["kvm-k2-rr4-m0.1"]["sign_p_vs_no_rerank"] <= 1
 
 
 @pytest.mark.real_model
@@ -175,3 +185,18 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
     res = json.loads(out.read_text())
     assert res["turns"] == 2 and len(res["replies"]) == 2 and 0 < res["conversation_tokens"] < 256
     assert res["states"] == 0 and res["deferred_saves_s"] >= 0
+
+
+@pytest.mark.real_model
+def test_bench_models_measures_a_family_and_reports_a_refused_one(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_models.py", "--families", "smollm2-135m,gemma-3-1b",
+                        "--tokens", "300", "--e3", "2", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("models-*.json")).read_text())
+    ok, refused = res["rows"]
+    assert ok["family"] == "smollm2-135m" and ok["e3_exact"] == ok["e3_states"] == 2
+    assert ok["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4 and ok["disk_bytes_per_token"] >= ok["kv_bytes_per_token"]
+    assert ok["prefill_tok_s"] > 0 and ok["restore_suffix_s"] > 0 and ok["batched_speedup"] > 0
+    assert "sliding-window" in refused["refused"]
+    assert next(tmp_path.glob("models-*.png")).stat().st_size > 0
