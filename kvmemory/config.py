@@ -102,47 +102,22 @@ class RuntimeConfig:
         return Path(platformdirs.user_cache_dir("kvmemory"))
 
 
-def _flag(v: str) -> bool:
-    if v.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected 1/0, true/false, yes/no or on/off")
-
-
-def _dtype(v: str) -> str:
-    if v.strip() not in DTYPES:
-        raise ValueError(f"expected one of {', '.join(DTYPES)}")
-    return v.strip()
-
-
-_ENV = {
-    "KVMEMORY_BLOCK_TOKENS": ("block_tokens", int),
-    "KVMEMORY_PREFILL_TOKENS": ("prefill_tokens", int),
-    "KVMEMORY_SHARD_BLOCKS": ("shard_blocks", int),
-    "KVMEMORY_CODEC": ("codec", str),
-    "KVMEMORY_LOCK_TIMEOUT": ("lock_timeout_s", float),
-    "KVMEMORY_CACHE_DIR": ("cache_dir", Path),
-    "KVMEMORY_HOST_CACHE_BYTES": ("host_cache_bytes", int),
-    "KVMEMORY_GPU_CACHE_BYTES": ("gpu_cache_bytes", int),
-    "KVMEMORY_STORE_CACHE_BYTES": ("store_cache_bytes", int),
-    "KVMEMORY_INVARIANT": ("invariant", _flag),
-    "KVMEMORY_DTYPE": ("dtype", _dtype),
-    "KVMEMORY_DEVICE": ("device", str),
-}
+def _env() -> dict[str, str]:
+    """environment variable -> the field it sets, of StoreConfig or RuntimeConfig (kvmemory.settings)."""
+    from kvmemory.settings import ENV
+    names = {f.name for cls in (StoreConfig, RuntimeConfig) for f in dataclasses.fields(cls)}
+    return {var: field for var, field in ENV.items() if field in names}
 
 
 def from_env(cls: type, env: dict[str, str] | None = None, **overrides):
-    """Build `cls` (StoreConfig or RuntimeConfig) from defaults, then KVMEMORY_* env, then overrides."""
+    """Build `cls` (StoreConfig or RuntimeConfig) from defaults, then KVMEMORY_* env, then overrides. The
+    environment is read and validated by the one schema of every setting (kvmemory.settings); an
+    invalid value is an InputError naming its variable."""
+    from kvmemory.settings import load
     env = os.environ if env is None else env
     fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for var, (name, conv) in _ENV.items():
-        if name in fields and env.get(var):
-            try:
-                kwargs[name] = conv(env[var])
-            except ValueError as e:
-                raise InputError(f"environment variable {var}={env[var]!r} is invalid: {e}") from None
+    settings, source = load(env={k: v for k, v in env.items() if k in _env()})
+    kwargs = {k: getattr(settings, k) for k in fields if source.get(k, "default") != "default"}
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**kwargs)
 

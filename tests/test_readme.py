@@ -50,9 +50,9 @@ def test_the_support_matrix_is_the_conformance_suites_families():
 
 
 def test_the_environment_reference_lists_every_variable():
-    from kvmemory.config import _ENV
+    from kvmemory.settings import ENV
     page = (ROOT / "docs" / "reference" / "environment.md").read_text()
-    assert [v for v in _ENV if f"`{v}`" not in page] == []
+    assert [v for v in ENV if f"`{v}`" not in page] == []
 
 
 @pytest.mark.real_model

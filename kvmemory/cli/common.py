@@ -88,6 +88,8 @@ def open_memory(args, read_only=False, create=False, **kw):
     if not create and not locate(args.store, must_exist=False).exists:
         raise KVMemoryError(f"no kvmemory store at {args.store}; check the path, or create one with kvmemory save "
                             "or kvmemory add")
-    return Memory(args.store, model=getattr(args, "model", None), read_only=read_only,
+    import os
+    model = getattr(args, "model", None) or os.environ.get("KVMEMORY_MODEL") or None
+    return Memory(args.store, model=model, read_only=read_only,
                   invariant=getattr(args, "invariant", None), dtype=store_dtype(args),
                   device=getattr(args, "device", None), **kw)

@@ -21,13 +21,19 @@ def register(add) -> None:
              "request extending one restores its stored prefix), GET/DELETE /v1/sessions/ID, POST /v1/learn and "
              "/v1/solve (the verified-solution library), GET /health. "
              "Anything but loopback needs an API key.", model=True)
-    sp.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback)")
-    sp.add_argument("--port", type=int, default=8000, help="default 8000")
+    sp.add_argument("--config", metavar="FILE", default=None,
+                    help="a TOML file of settings (`name = value`, at the top level or under [kvmemory]; the names "
+                         "are the long flags' with _ for -); precedence: flag > environment (KVMEMORY_*) > file > "
+                         "default")
+    sp.add_argument("--print-config", action="store_true",
+                    help="print every setting in force and where it came from (TOML), then exit")
+    sp.add_argument("--host", default=None, help="default 127.0.0.1 (loopback; env KVMEMORY_HOST)")
+    sp.add_argument("--port", type=int, default=None, help="default 8000 (env KVMEMORY_PORT)")
     sp.add_argument("--api-key-file", metavar="FILE", default=None,
                     help="file holding the bearer token clients must send (or set KVMEMORY_API_KEY)")
-    sp.add_argument("--queue", type=positive_int, default=32, metavar="N",
+    sp.add_argument("--queue", type=positive_int, default=None, metavar="N",
                     help="requests that may wait for the model; more get 429 (default 32)")
-    sp.add_argument("--batch", type=positive_int, default=8, metavar="N",
+    sp.add_argument("--batch", type=positive_int, default=None, metavar="N",
                     help="requests in flight at once, their decoding batched: one forward a step for all "
                          "(continuous batching; default 8; 1: one request at a time, decoded alone)")
     sp.add_argument("--ask-rerank", type=int, default=None, metavar="N",
@@ -38,40 +44,62 @@ def register(add) -> None:
                          "greedy reply is the one served alone (default: on for a bfloat16 model, where ~1 in 3 "
                          "replies differed without it, off for float32, where none did and it costs ~18%% at one "
                          "client)")
-    sp.add_argument("--max-body-mb", type=positive_int, default=16, metavar="MB", help="request size limit (413)")
+    sp.add_argument("--max-body-mb", type=positive_int, default=None, metavar="MB",
+                    help="request size limit (413; default 16)")
     sp.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="serve with Ray Serve replicas reading the same store (a chat session always goes to the "
                          "replica holding its KV); ADDRESS of a cluster, or none for a local one")
-    sp.add_argument("--replicas", type=positive_int, default=2, metavar="N", help="Ray Serve replicas (default 2)")
-    sp.add_argument("--log-level", choices=LEVELS, default="info",
+    sp.add_argument("--replicas", type=positive_int, default=None, metavar="N", help="Ray Serve replicas (default 2)")
+    sp.add_argument("--log-level", choices=LEVELS, default=None,
                     help="info (default): one access line a request, with its X-Request-Id; warning: problems only")
-    sp.add_argument("--log-format", choices=FORMATS, default="text",
+    sp.add_argument("--log-format", choices=FORMATS, default=None,
                     help="text (default) or json: one JSON object a line (time, level, logger, message, "
                          "request_id, and the access line's method, path, status, duration_ms)")
 
 
+def settings_of(args):
+    """The settings in force for `serve` (kvmemory.settings: flag > environment > --config file > default)."""
+    from kvmemory.settings import FIELDS, load
+    return load({f: getattr(args, f, None) for f in FIELDS if f != "api_key_file"} |
+                {"api_key_file": args.api_key_file}, config_file=args.config)
+
+
 def cmd_serve(args) -> int:
+    import sys
+
+    from kvmemory.settings import SERVE_ONLY, env_name, render
+    settings, source = settings_of(args)
+    if args.print_config:
+        sys.stdout.write(render(settings, source))
+        return 0
+    # the file's store and runtime settings reach every Memory (here and in Ray workers) as the
+    # environment they would have come from (a variable already set won over the file: not touched)
+    for f, where in source.items():
+        if where.startswith("file ") and f not in SERVE_ONLY:
+            os.environ[env_name(f)] = str(getattr(settings, f))
+    s = settings
+    args.dtype, args.model = s.dtype, s.model
     from kvmemory.server import serve
 
     key = os.environ.get("KVMEMORY_API_KEY") or None
-    if args.api_key_file:
+    if s.api_key_file:
         try:
-            key = open(args.api_key_file, encoding="utf-8").read().strip()
+            key = open(s.api_key_file, encoding="utf-8").read().strip()
         except OSError as e:
-            raise KVMemoryError(f"cannot read {args.api_key_file}: {e.strerror}") from None
+            raise KVMemoryError(f"cannot read {s.api_key_file}: {e.strerror}") from None
         if not key:
-            raise KVMemoryError(f"{args.api_key_file} is empty")
-    if args.ray is not None:
+            raise KVMemoryError(f"{s.api_key_file} is empty")
+    if s.ray is not None:
         from kvmemory.server.ray import serve_ray
 
-        serve_ray(args.store, host=args.host, port=args.port, replicas=args.replicas,
-                  address=None if args.ray == "local" else args.ray, model=args.model, api_key=key,
-                  queue_size=args.queue, max_body_bytes=args.max_body_mb << 20, batch=args.batch,
-                  invariant=args.invariant, ask_rerank=args.ask_rerank, dtype=store_dtype(args),
-                  invariant_rows=args.invariant_rows, device=args.device)
+        serve_ray(args.store, host=s.host, port=s.port, replicas=s.replicas,
+                  address=None if s.ray == "local" else s.ray, model=s.model, api_key=key,
+                  queue_size=s.queue, max_body_bytes=s.max_body_mb << 20, batch=s.batch,
+                  invariant=s.invariant, ask_rerank=s.ask_rerank, dtype=store_dtype(args),
+                  invariant_rows=s.invariant_rows, device=s.device)
         return 0
-    serve(args.store, host=args.host, port=args.port, model=args.model, api_key=key, queue_size=args.queue,
-          max_body_bytes=args.max_body_mb << 20, batch=args.batch, invariant=args.invariant,
-          ask_rerank=args.ask_rerank, dtype=store_dtype(args), invariant_rows=args.invariant_rows,
-          log_level=args.log_level, log_format=args.log_format, device=args.device)
+    serve(args.store, host=s.host, port=s.port, model=s.model, api_key=key, queue_size=s.queue,
+          max_body_bytes=s.max_body_mb << 20, batch=s.batch, invariant=s.invariant,
+          ask_rerank=s.ask_rerank, dtype=store_dtype(args), invariant_rows=s.invariant_rows,
+          log_level=s.log_level, log_format=s.log_format, device=s.device)
     return 0
