@@ -79,6 +79,13 @@ def cmd_serve(args) -> int:
             os.environ[env_name(f)] = str(getattr(settings, f))
     s = settings
     args.dtype, args.model = s.dtype, s.model
+    dtype, why = store_dtype(args), f"asked for ({source['dtype']})"
+    if dtype is None:
+        from kvmemory.model.choose import default_dtype
+        dtype, why = default_dtype(s.device or "cpu", default_model=s.model is None)
+    elif s.dtype is None:
+        why = "the store's blocks were computed in it"
+    print(f"kvmemory serve: computing in {dtype}: {why}", file=sys.stderr, flush=True)
     from kvmemory.server import serve
 
     key = os.environ.get("KVMEMORY_API_KEY") or None
@@ -95,11 +102,11 @@ def cmd_serve(args) -> int:
         serve_ray(args.store, host=s.host, port=s.port, replicas=s.replicas,
                   address=None if s.ray == "local" else s.ray, model=s.model, api_key=key,
                   queue_size=s.queue, max_body_bytes=s.max_body_mb << 20, batch=s.batch,
-                  invariant=s.invariant, ask_rerank=s.ask_rerank, dtype=store_dtype(args),
+                  invariant=s.invariant, ask_rerank=s.ask_rerank, dtype=dtype,
                   invariant_rows=s.invariant_rows, device=s.device)
         return 0
     serve(args.store, host=s.host, port=s.port, model=s.model, api_key=key, queue_size=s.queue,
           max_body_bytes=s.max_body_mb << 20, batch=s.batch, invariant=s.invariant,
-          ask_rerank=s.ask_rerank, dtype=store_dtype(args), invariant_rows=s.invariant_rows,
-          log_level=s.log_level, log_format=s.log_format, device=s.device)
+          ask_rerank=s.ask_rerank, dtype=dtype, invariant_rows=s.invariant_rows,
+          log_level=s.log_level, log_format=s.log_format, device=s.device, dtype_reason=why)
     return 0

@@ -56,7 +56,7 @@ def _ask_rerank(n) -> int:
 
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
                serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH,
-               ask_rerank: int | None = None, invariant_rows: bool | None = None) -> FastAPI:
+               ask_rerank: int | None = None, invariant_rows: bool | None = None, dtype_reason: str = "") -> FastAPI:
     """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
     serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
     serve one store); job_prefix: how job ids start (a replica's rank, for routing); batch: how many
@@ -85,7 +85,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         worker = Worker(queue_size, mem, batch, False)
     c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
                 sessions=sessions, max_body_bytes=max_body_bytes,
-                ask_defaults=AskOptions().but(rerank=None if ask_rerank is None else _ask_rerank(ask_rerank)))
+                ask_defaults=AskOptions().but(rerank=None if ask_rerank is None else _ask_rerank(ask_rerank)),
+                dtype_reason=dtype_reason)
     c.chat.pending = lambda: c.worker.pending
     c.chat.released = lambda: c.worker.released_at
     c.metrics = Metrics(lambda: _live(c))
@@ -231,8 +232,9 @@ def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key:
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
           invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
           invariant_rows: bool | None = None, log_level: str = "info", log_format: str = "text",
-          device: str | None = None) -> None:
+          device: str | None = None, dtype_reason: str = "") -> None:
     """Open (or create) the store and serve it until interrupted (invariant, dtype, device: Memory's;
+    dtype_reason: why it computes in its dtype, said in /health;
     invariant_rows: create_app's; log_level, log_format: kvmemory.server.logs)."""
     import uvicorn
 
@@ -241,5 +243,5 @@ def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key:
     logs.configure(log_level, log_format)
     mem = Memory(store, model=model, invariant=invariant, dtype=dtype, device=device)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
-                           ask_rerank=ask_rerank, invariant_rows=invariant_rows),
+                           ask_rerank=ask_rerank, invariant_rows=invariant_rows, dtype_reason=dtype_reason),
                 host=host, port=port, log_config=None, log_level=log_level)

@@ -28,6 +28,7 @@ class Context:
     max_body_bytes: int
     ask_defaults: AskOptions = field(default_factory=AskOptions)   # what an ask that leaves a field unset gets
     metrics: Metrics | None = None
+    dtype_reason: str = ""         # why the model computes in its dtype (kvmemory.model.choose), said in /health
 
     @property
     def model_id(self) -> str:

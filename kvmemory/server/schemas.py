@@ -262,6 +262,7 @@ class Health(BaseModel):
     model: str
     queue: int
     dtype: str = "float32"             # what the model computes in (a store of it holds KV of this dtype)
+    dtype_reason: str = ""             # why: asked for, the store's, or measured at start-up (kvmemory.model.choose)
     invariant_rows: bool = False       # batched decoding reduces rows alike whatever the batch (serve --invariant-rows)
 
 

@@ -12,7 +12,7 @@ router = APIRouter()
 async def health(c: Context = Depends(ctx)):
     b = c.worker.batcher
     return Health(status="ok", model=c.model_id, queue=c.worker.pending,
-                  dtype=c.mem.geometry.dtype,
+                  dtype=c.mem.geometry.dtype, dtype_reason=c.dtype_reason,
                   invariant_rows=b is not None and b.scheme is not None)
 
 
