@@ -40,30 +40,33 @@ def text(rng, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def setting(spec: str) -> tuple[int, bool, int, int, str, bool | None]:
-    """'8', '8i', '8h', '8r', '8n', '8b64', '8q64', '8ihrb64q16' -> (batch, invariant, block tokens,
+def setting(spec: str) -> tuple[int, bool, int, int, str, bool | None, bool]:
+    """'8', '8i', '8h', '8r', '8n', '8m', '8b64', '8q64', '8ihrmb64q16' -> (batch, invariant, block tokens,
     prefill tokens: 0 = the block's, dtype: h = bfloat16, invariant rows: r on, n off, else the
-    server's default for the dtype)."""
-    m = re.fullmatch(r"(\d+)(i?)(h?)([rn]?)(?:b(\d+))?(?:q(\d+))?", spec.strip())
+    server's default for the dtype, metrics: m = off, `serve --no-metrics`)."""
+    m = re.fullmatch(r"(\d+)(i?)(h?)([rn]?)(m?)(?:b(\d+))?(?:q(\d+))?", spec.strip())
     if m is None:
-        raise SystemExit(f"--batch: {spec!r} is not N, Ni, Nh, Nr, Nn, NbC, NqQ or NihrbCqQ")
-    return (int(m.group(1)), bool(m.group(2)), int(m.group(5) or 256), int(m.group(6) or 0),
-            "bfloat16" if m.group(3) else "float32", {"r": True, "n": False}.get(m.group(4)))
+        raise SystemExit(f"--batch: {spec!r} is not N, Ni, Nh, Nr, Nn, Nm, NbC, NqQ or NihrmbCqQ")
+    return (int(m.group(1)), bool(m.group(2)), int(m.group(6) or 256), int(m.group(7) or 0),
+            "bfloat16" if m.group(3) else "float32", {"r": True, "n": False}.get(m.group(4)), not m.group(5))
 
 
 def label(batch: int, invariant: bool, block_tokens: int, prefill_tokens: int = 0, dtype: str = "float32",
-          rows: bool | None = None) -> str:
+          rows: bool | None = None, metrics: bool = True) -> str:
     return f"batch {batch}" + (" invariant" if invariant else "") + (f" {dtype}" if dtype != "float32" else "") + \
+        ("" if metrics else " no-metrics") + \
         {None: "", True: " rows-invariant", False: " rows-plain"}[rows] + \
         (f", {block_tokens}-token blocks" if block_tokens != 256 else "") + \
         (f", prefill in {prefill_tokens}s" if prefill_tokens not in (0, block_tokens) else "")
 
 
-def start(mem, queue_size: int, batch: int = 8, ask_rerank: int | None = None, invariant_rows: bool | None = None):
+def start(mem, queue_size: int, batch: int = 8, ask_rerank: int | None = None, invariant_rows: bool | None = None,
+          metrics: bool = True):
     import uvicorn
 
     from kvmemory.server import create_app
-    app = create_app(mem, queue_size=queue_size, batch=batch, ask_rerank=ask_rerank, invariant_rows=invariant_rows)
+    app = create_app(mem, queue_size=queue_size, batch=batch, ask_rerank=ask_rerank, invariant_rows=invariant_rows,
+                     metrics=metrics)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -406,7 +409,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--batch", default="1,8",
                     help="server settings to compare: requests decoded together; then i runs that setting in "
-                         "invariant mode (`serve --invariant`), h in bfloat16 (`serve --dtype bfloat16`), r / n with "
+                         "invariant mode (`serve --invariant`), h in bfloat16 (`serve --dtype bfloat16`), m without "
+                         "metrics (`serve --no-metrics`), r / n with "
                          "batched decoding's rows invariant / plain (default: the server's for the dtype), bN on a store of N-token blocks (default 256), qQ "
                          "on a store whose prefill runs in forwards of Q tokens (StoreConfig.prefill_tokens), "
                          "e.g. 1,8,8i,8h,8b64,8q64")
@@ -440,20 +444,20 @@ def main() -> int:
     batches = [setting(b) for b in args.batch.split(",")]
     level_seed = rng.randrange(2**31)                  # the same clients and requests for every setting
     ingest_doc = document(random.Random(level_seed + 11), args.ingest_tokens) if args.ingest_tokens else None
-    for bi, (batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows) in enumerate(batches):
-        name = label(batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows)
+    for bi, (batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows, metrics) in enumerate(batches):
+        name = label(batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows, metrics)
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
             mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant, dtype=dtype,
                                   store_config=StoreConfig(block_tokens=block_tokens, prefill_tokens=prefill_tokens))
             mem.add(harbour, doc_id="harbour")
-            srv, t, url = start(mem, args.queue, batch, args.ask_rerank, inv_rows)
+            srv, t, url = start(mem, args.queue, batch, args.ask_rerank, inv_rows, metrics)
             rows = [asyncio.run(load(url, mem.model_name, int(c), args.seconds, random.Random(level_seed + int(c))))
                     for c in args.clients.split(",")]
             batcher = srv.config.app.state.worker.batcher
             for r in rows:
                 print(f"  {name}, {r['clients']} clients: {r['requests_per_s']:.2f} req/s, p50 {r['p50_s']}, "
                       f"status {r['status']}", file=sys.stderr)
-            settings.append({"batch": batch, "invariant": invariant, "dtype": dtype,
+            settings.append({"batch": batch, "invariant": invariant, "dtype": dtype, "metrics": metrics,
                              "invariant_rows": batcher.scheme is not None if batcher is not None else None,
                              "block_tokens": block_tokens,
                              "prefill_tokens": prefill_tokens or block_tokens, "setting": name,

@@ -66,11 +66,12 @@ class Settings(BaseSettings):
     replicas: int = Field(2, ge=1, description="Ray Serve replicas")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the log level")
     log_format: Literal["text", "json"] = Field("text", description="text or json lines")
+    metrics: bool = Field(True, description="record and serve /metrics (Prometheus)")
 
 
 FIELDS = tuple(Settings.model_fields)
 SERVE_ONLY = ("host", "port", "api_key_file", "queue", "batch", "ask_rerank", "invariant_rows", "max_body_mb", "ray",
-              "replicas", "log_level", "log_format")
+              "replicas", "log_level", "log_format", "metrics")
 
 
 def env_name(field: str) -> str:

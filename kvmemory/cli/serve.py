@@ -52,6 +52,8 @@ def register(add) -> None:
     sp.add_argument("--replicas", type=positive_int, default=None, metavar="N", help="Ray Serve replicas (default 2)")
     sp.add_argument("--log-level", choices=LEVELS, default=None,
                     help="info (default): one access line a request, with its X-Request-Id; warning: problems only")
+    sp.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None,
+                    help="record and serve GET /metrics in the Prometheus text format (default: yes)")
     sp.add_argument("--log-format", choices=FORMATS, default=None,
                     help="text (default) or json: one JSON object a line (time, level, logger, message, "
                          "request_id, and the access line's method, path, status, duration_ms)")
@@ -108,5 +110,5 @@ def cmd_serve(args) -> int:
     serve(args.store, host=s.host, port=s.port, model=s.model, api_key=key, queue_size=s.queue,
           max_body_bytes=s.max_body_mb << 20, batch=s.batch, invariant=s.invariant,
           ask_rerank=s.ask_rerank, dtype=dtype, invariant_rows=s.invariant_rows,
-          log_level=s.log_level, log_format=s.log_format, device=s.device, dtype_reason=why)
+          log_level=s.log_level, log_format=s.log_format, device=s.device, dtype_reason=why, metrics=s.metrics)
     return 0

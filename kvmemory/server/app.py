@@ -56,7 +56,8 @@ def _ask_rerank(n) -> int:
 
 def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_body_bytes: int = 16 << 20,
                serve_dir: Path | None = None, job_prefix: str = "job-", batch: int = DEFAULT_BATCH,
-               ask_rerank: int | None = None, invariant_rows: bool | None = None, dtype_reason: str = "") -> FastAPI:
+               ask_rerank: int | None = None, invariant_rows: bool | None = None, dtype_reason: str = "",
+               metrics: bool = True) -> FastAPI:
     """The FastAPI app over `mem` (a writable Memory). Starts the deposit thread on startup.
     serve_dir: where jobs and sessions persist (default STORE/serve; one per replica when several
     serve one store); job_prefix: how job ids start (a replica's rank, for routing); batch: how many
@@ -66,7 +67,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     greedy reply is the one the request gets served alone (kvmemory.batching.Batcher; None: on
     for a bfloat16 model, off for float32, DEFAULT_INVARIANT_ROWS; where this machine's kernels
     allow no row scheme, True raises InvariantUnavailableError and the default logs it and runs
-    without)."""
+    without); metrics: record what /metrics serves (False: serve --no-metrics, an empty /metrics)."""
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
     sessions = Sessions(root)
@@ -89,7 +90,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
                 dtype_reason=dtype_reason)
     c.chat.pending = lambda: c.worker.pending
     c.chat.released = lambda: c.worker.released_at
-    c.metrics = Metrics(lambda: _live(c))
+    c.metrics = Metrics(lambda: _live(c), enabled=metrics)
     c.jobs.on_done = c.metrics.deposited
     release_team()          # this thread's OpenMP team (the row scheme's check ran here): the model is served from others
     stop = threading.Event()
@@ -232,7 +233,7 @@ def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key:
           queue_size: int = 32, max_body_bytes: int = 16 << 20, batch: int = DEFAULT_BATCH,
           invariant: bool | None = None, ask_rerank: int | None = None, dtype: str | None = None,
           invariant_rows: bool | None = None, log_level: str = "info", log_format: str = "text",
-          device: str | None = None, dtype_reason: str = "") -> None:
+          device: str | None = None, dtype_reason: str = "", metrics: bool = True) -> None:
     """Open (or create) the store and serve it until interrupted (invariant, dtype, device: Memory's;
     dtype_reason: why it computes in its dtype, said in /health;
     invariant_rows: create_app's; log_level, log_format: kvmemory.server.logs)."""
@@ -243,5 +244,6 @@ def serve(store, host: str = "127.0.0.1", port: int = 8000, model=None, api_key:
     logs.configure(log_level, log_format)
     mem = Memory(store, model=model, invariant=invariant, dtype=dtype, device=device)
     uvicorn.run(create_app(mem, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes, batch=batch,
-                           ask_rerank=ask_rerank, invariant_rows=invariant_rows, dtype_reason=dtype_reason),
+                           ask_rerank=ask_rerank, invariant_rows=invariant_rows, dtype_reason=dtype_reason,
+                           metrics=metrics),
                 host=host, port=port, log_config=None, log_level=log_level)

@@ -54,7 +54,10 @@ class _Live:
 class Metrics:
     """The server's metrics, in a registry of their own (two apps in one process do not mix)."""
 
-    def __init__(self, live: Callable[[], dict]) -> None:
+    def __init__(self, live: Callable[[], dict], enabled: bool = True) -> None:
+        """enabled=False (serve --no-metrics): nothing is recorded and /metrics is empty (the cost of the
+        metrics, measured by bench_serve.py's `m` setting)."""
+        self.enabled = enabled
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvmemory_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=r)
@@ -73,11 +76,15 @@ class Metrics:
         r.register(_Live(live))
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        if not self.enabled:
+            return
         self.requests.labels(route, method, str(status)).inc()
         self.latency.labels(route).observe(seconds)
 
     def answered(self, endpoint: str, ttft_s: float | None, **tokens: int) -> None:
         """A chat completion or an ask: its time to first token and its tokens by kind."""
+        if not self.enabled:
+            return
         if ttft_s is not None:
             self.ttft.labels(endpoint).observe(ttft_s)
         for kind in TOKEN_KINDS:
@@ -86,6 +93,8 @@ class Metrics:
                 self.tokens.labels(endpoint, kind).inc(n)
 
     def deposited(self, ok: bool, tokens: int, seconds: float) -> None:
+        if not self.enabled:
+            return
         self.deposits.labels("done" if ok else "failed").inc()
         if ok:
             self.deposit_tokens.inc(tokens)
@@ -93,9 +102,13 @@ class Metrics:
 
     def remembered(self, memory: dict | None) -> None:
         """A chat request's `kvmemory` object: a memory was read, and how many turns came back."""
-        if memory is not None:
+        if memory is not None and self.enabled:
             self.recalls.inc()
             self.recalled.inc(len(memory.get("recalled", [])))
 
+    def forgot(self) -> None:
+        if self.enabled:
+            self.forgets.inc()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) if self.enabled else b""

@@ -68,6 +68,15 @@ def test_metrics_are_behind_the_api_key(tmp_path, tiny):
         assert value(m, "kvmemory_requests_total", route="unmatched", status="401") == 1    # the refused scrape
 
 
+def test_metrics_switched_off_record_nothing_and_serve_nothing(tmp_path, tiny):
+    with serving(kvmemory.Memory(tmp_path / "s.kvm", model=tiny), metrics=False) as url:
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "kvmemory", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200
+        m = httpx.get(url + "/metrics", timeout=30)
+        assert m.status_code == 200 and m.text == ""
+
+
 def test_every_request_has_an_id_on_its_response_and_its_log_lines(tmp_path, tiny):
     """X-Request-Id: the client's when it sends a sane one, else a new one; returned, and on the access
     line and on every line logged while the request is served (the worker thread included), as JSON."""

@@ -50,7 +50,7 @@ async def get_memory(user: str, c: Context = Depends(ctx)):
 async def forget_user(user: str, c: Context = Depends(ctx)):
     r = await c.worker.run(_forget, c.mem, c.sessions, check_id(user, "user"), None)
     if c.metrics is not None:
-        c.metrics.forgets.inc()
+        c.metrics.forgot()
     return r
 
 
@@ -60,5 +60,5 @@ async def forget_session(user: str, session_id: str, c: Context = Depends(ctx)):
     if not r.turns and not r.sessions:
         raise not_found("session", session_id, "session_id")
     if c.metrics is not None:
-        c.metrics.forgets.inc()
+        c.metrics.forgot()
     return r
