@@ -98,14 +98,16 @@ class _Seq:
 
 # decoder layers whose forward is exactly the loop of forward_many (norm, q/k/v with optional bias,
 # rotate-half RoPE over the whole head, attention, o_proj, residual, norm, gated MLP, residual) in
-# models whose forward adds nothing around them; another family's layers (Granite's multipliers,
-# Gemma's scaled embeddings, QK-norm, fused projections, partial rotary) run the model's own forward
-# per sequence instead (exact, not batched)
-BATCHED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+# models whose forward adds nothing around them (Gemma's embedding scale lives in its embedding module);
+# another family's layers (Granite's multipliers, QK-norm, fused projections, partial rotary) run the
+# model's own forward per sequence instead (exact, not batched). tests/model/test_conformance.py holds
+# each family's batched pass to its sequences alone.
+BATCHED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "GemmaDecoderLayer",
+                  "OlmoDecoderLayer")
 
 
 def llama_like(model) -> bool:
-    """Whether the batched step knows this model's layers (Llama, SmolLM, Qwen2, Mistral decoders)."""
+    """Whether the batched step knows this model's layers (Llama, SmolLM, Qwen2, Mistral, Gemma, OLMo)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):

@@ -101,3 +101,66 @@ def test_the_widest_seeds_torch_takes_are_served(api_schema):
             "model": "kvmemory", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "temperature": 0.7, "seed": seed})
         assert r.status_code == 200, r.text
+
+
+# valid bodies of every POST, each field of which the hostile fuzz below replaces with a value a careless
+# or hostile client sends (cheap to serve: one token at most)
+BODIES = {
+    "/v1/chat/completions": {"model": "kvmemory", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                             "temperature": 0.5, "seed": 3, "top_p": 0.9, "n": 1, "stop": ["x"], "user": "u",
+                             "logprobs": False, "top_k": 5, "presence_penalty": 0.1, "logit_bias": {"5": 1}},
+    "/v1/completions": {"model": "kvmemory", "prompt": "hi", "max_tokens": 1, "temperature": 0.5, "seed": 3,
+                        "top_p": 0.9, "stop": "x", "logprobs": 1, "min_p": 0.1},
+    "/tokenize": {"model": "kvmemory", "prompt": "hi"},
+    "/detokenize": {"model": "kvmemory", "tokens": [5, 6]},
+    "/v1/ask": {"question": "hi?", "max_new_tokens": 1, "top_k": 1, "rerank": 0, "recompute": 0.0},
+    "/v1/documents": {"text": "a few words", "doc_id": "d"},
+    "/v1/learn": {"problem": "p", "solution": "s"},
+    "/v1/solve": {"problem": "p", "max_new_tokens": 1},
+}
+
+
+def _hostile():
+    from hypothesis import strategies as st
+    big = st.integers(min_value=2**63, max_value=2**200) | st.integers(min_value=-(2**200), max_value=-(2**63) - 1)
+    surrogate = st.sampled_from(["\ud800", "a\udfffb", "\udc00" * 3, "x\ud834"])
+    return st.one_of(
+        big,
+        st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 5e-324]),
+        surrogate,
+        st.lists(surrogate, min_size=1, max_size=3),
+        st.builds(lambda n, c: c * n, st.integers(20_000, 200_000), st.sampled_from(["a", "é", "\u4e00", " "])),
+        st.just([[[[[[[[[[[]]]]]]]]]]]),
+        st.dictionaries(st.text(max_size=5), big | surrogate, max_size=3),
+        st.sampled_from([None, True, -1, 0, "", [], {}]),
+    )
+
+
+def test_hostile_values_in_every_field_of_every_post_are_never_a_server_error(api_schema):
+    """Big integers past 64 bits, lone surrogates, NaN and infinities, huge strings, deep nesting, wrong types:
+    in every field of every POST (and in each message's content), a 4xx or a 200, never a 5xx."""
+    import json
+
+    import httpx
+    from hypothesis import given, strategies as st
+    _, url = api_schema
+    examples = int(os.environ.get("KVMEMORY_SCHEMA_EXAMPLES", "25")) * 6
+    statuses: dict = {}
+    fields = [(p, k) for p, b in BODIES.items() for k in b] + [("/v1/chat/completions", "messages.0.content")]
+
+    @given(target=st.sampled_from(fields), value=_hostile())
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def check(target, value):
+        path, key = target
+        body = json.loads(json.dumps(BODIES[path]))
+        if key == "messages.0.content":
+            body["messages"][0]["content"] = value
+        else:
+            body[key] = value
+        r = httpx.post(url + path, content=json.dumps(body, allow_nan=True), timeout=120,
+                       headers={"content-type": "application/json"})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, key, repr(value)[:200], r.text[:500])
+    check()
+    print(f"\nhostile fuzz: {sum(statuses.values())} requests over {len(fields)} fields, statuses {statuses}")
+    assert sum(v for s, v in statuses.items() if 400 <= s < 500) > 0
