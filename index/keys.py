@@ -24,7 +24,8 @@ def block_vectors(kv: torch.Tensor, positions: list[int], layer: int, freqs: tor
     """kv [L, 2, H, n, D] of one block whose first token sits at positions[0] -> [H * D] float32."""
     k = to_host(kv[layer, 0]).float()                                  # [H, n, D]
     pos = torch.as_tensor(positions, dtype=torch.long)
-    cos, sin = shift_cos_sin(-pos, to_host(freqs))                              # [n, D/2]: rotate back to 0
+    f = to_host(freqs)
+    cos, sin = shift_cos_sin(-pos, f[layer] if f.dim() == 2 else f)               # [n, D/2]: rotate back to 0
     k0 = rotate(k, cos.unsqueeze(0), sin.unsqueeze(0)).mean(dim=1)     # [H, D]
     v = k0.reshape(-1)
     return torch.nn.functional.normalize(v, dim=0).numpy().astype(np.float32)

@@ -90,8 +90,9 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
     seams = window.seam_positions(opts.seam)
     blend = opts.recompute > 0 or bool(seams)
     if device.type == "cuda" and not blend:              # decode attention through the paged-window kernel
-        from kvmemory.ops import use_window_attention
-        use_window_attention(rt.model)
+        from kvmemory.ops import plain_attention, use_window_attention
+        if plain_attention(rt.model):
+            use_window_attention(rt.model)
     t = time.perf_counter()
     # on CPU, the plain path's window is built with room for the question and the answer: its
     # cache views it (no copy), and a batched step writes their KV in place (batching.room_of)

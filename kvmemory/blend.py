@@ -19,7 +19,11 @@ whatever their deviation: the first tokens of each grafted run, where it meets a
 was not computed in. With r == 0 only they (and the question) are recomputed, and nothing is
 measured.
 The model's own decoder layers do the work (through a cache object that writes the K/V of
-the tokens in flight at their window positions), so any Llama-shaped transformers model works.
+the tokens in flight at their window positions), under one causal mask and one rotary embedding:
+so a model whose forward adds something around its layers (Granite's multipliers, Gemma 2's final
+soft-cap) or whose layers differ in mask or RoPE (sliding windows, Gemma 3's two bases) is refused
+(`supported`), never blended wrongly. tests/model/test_conformance.py holds every family's blend at
+r = 1 to a fresh prefill of the same text.
 """
 
 from __future__ import annotations
@@ -67,6 +71,23 @@ def _mask(q_pos: torch.Tensor, n: int, dtype, device) -> torch.Tensor:
     return m[None, None]
 
 
+def supported(model) -> str | None:
+    """Why the blend cannot reproduce this model's forward, or None where it can."""
+    from kvmemory.kv import sliding
+    cfg = model.config
+    if sliding(cfg):
+        return "its local layers attend through a sliding window (the blend applies one causal mask)"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(cfg, name, None):
+            return f"it soft-caps its {'logits' if name.startswith('final') else 'attention scores'}"
+    for name in ("embedding_multiplier", "logits_scaling"):
+        if getattr(cfg, name, 1.0) not in (None, 1.0):
+            return f"its forward scales around its layers ({name})"
+    if not hasattr(getattr(model, "model", None), "rotary_emb") or not hasattr(model.model, "embed_tokens"):
+        return "its decoder has no single rotary embedding and token embedding the blend can run"
+    return None
+
+
 @torch.inference_mode()
 def blend_prefill(model, ctx_kv: torch.Tensor, ctx_ids: list[int], q_ids: list[int], r: float,
                   exact_tokens: int = 0, check_layer: int = 1,
@@ -79,6 +100,11 @@ def blend_prefill(model, ctx_kv: torch.Tensor, ctx_ids: list[int], q_ids: list[i
     Returns (logits of the last question token [vocab], the window's K/V with the question
     [L, 2, H, W + Q, D], stats).
     """
+    why = supported(model)
+    if why is not None:
+        from kvmemory.errors import InputError
+        raise InputError(f"recomputing grafted tokens (recompute, seam) is not available for "
+                         f"{type(model).__name__}: {why}; use recompute=0")
     L, _, H, W, D = ctx_kv.shape
     always = sorted(set(int(a) for a in always))
     if not 0.0 <= r <= 1.0 or (r == 0 and not always):

@@ -42,6 +42,24 @@ def cache_slice(cache, start: int, stop: int) -> torch.Tensor:
     return torch.stack(per_layer)
 
 
+def sliding(config) -> bool:
+    """Whether any layer of the model attends through a sliding window (local layers)."""
+    from kvmemory.model.families import SLIDING_LAYERS
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None) or ()
+    return any(t in SLIDING_LAYERS for t in types) or bool(
+        getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True))
+
+
+def new_cache(config):
+    """An empty DynamicCache for the model of `config`. Every layer holds every token, a sliding-window
+    layer too (transformers' own would keep only the last window - 1): the model's mask applies the
+    window, so a token attends to what it would in a trimmed cache, and the cache can be sliced, cut
+    back and grafted like any other (kvmemory/model/families.py)."""
+    from transformers import DynamicCache
+    return DynamicCache() if sliding(config) else DynamicCache(config=config)
+
+
 def make_cache(kv: torch.Tensor | None, config, copy: bool = True):
     """A fresh transformers DynamicCache holding kv [layers, 2, kv_heads, T, head_dim].
 
@@ -52,9 +70,9 @@ def make_cache(kv: torch.Tensor | None, config, copy: bool = True):
     from transformers.cache_utils import DynamicLayer
 
     if kv is None or kv.shape[3] == 0:
-        return DynamicCache(config=config)
+        return new_cache(config)
     if not copy:
-        cache = DynamicCache(config=config)
+        cache = new_cache(config)
         if len(cache.layers) == kv.shape[0] and all(type(layer) is DynamicLayer for layer in cache.layers):
             for i, layer in enumerate(cache.layers):
                 k, v = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)
@@ -63,7 +81,7 @@ def make_cache(kv: torch.Tensor | None, config, copy: bool = True):
             return cache
     # [H, T, D] -> [1, H, T, D]; DynamicLayer.update concatenates, so the cache owns a copy
     return DynamicCache(ddp_cache_data=[(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])],
-                        config=config)
+                        config=None if sliding(config) else config)
 
 
 @torch.inference_mode()
@@ -101,12 +119,10 @@ def prefill_blocks(model, token_ids: Sequence[int], block_tokens: int, cache=Non
     block's start. Yields, per block,
     (block_start, kv [layers, 2, kv_heads, n, head_dim], logits of the block's last token [vocab]).
     """
-    from transformers import DynamicCache
-
     if cache is None:
         if start:
             raise ValueError("a non-zero start needs the cache of the tokens before it")
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
     if cache.get_seq_length() != start:
         raise ValueError(f"cache holds {cache.get_seq_length()} tokens, start is {start}")
     Q = chunk_tokens or block_tokens

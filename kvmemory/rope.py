@@ -15,18 +15,21 @@ import torch
 
 from kvmemory.errors import ModelLoadError
 
-LINEAR_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-
-
 def inv_freq(model) -> torch.Tensor:
-    """The model's RoPE inverse frequencies, [R / 2] float32 on the CPU (R: the rotary dims, head_dim
-    unless the rotary is partial)."""
-    cfg = model.config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    kind = rope.get("rope_type", "default")
-    if kind not in LINEAR_ROPE_TYPES:
-        raise ModelLoadError(f"RoPE type {kind!r} is not position-linear; kvmemory cannot re-rotate its keys")
+    """The model's RoPE inverse frequencies, float32 on the CPU: [R / 2] (R: the rotary dims, head_dim
+    unless the rotary is partial), or [layers, R / 2] where layers of different types rotate with
+    different frequencies (Gemma 3: local layers with base 1e4, global ones with 1e6)."""
+    from kvmemory.model.families import refusal
+    why = refusal(model.config)
+    if why is not None:
+        raise ModelLoadError(f"kvmemory cannot re-rotate this model's keys: {why}")
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    types = list(getattr(cfg, "layer_types", None) or ())
     for mod in model.modules():
+        per_type = {t: getattr(mod, f"{t}_inv_freq", None) for t in set(types)}
+        if types and all(isinstance(f, torch.Tensor) for f in per_type.values()):
+            freqs = torch.stack([per_type[t].detach().float().cpu() for t in types])
+            return freqs[0] if all(torch.equal(f, freqs[0]) for f in freqs) else freqs
         f = getattr(mod, "inv_freq", None)
         if isinstance(f, torch.Tensor):
             return f.detach().float().cpu()
@@ -34,8 +37,9 @@ def inv_freq(model) -> torch.Tensor:
 
 
 def shift_cos_sin(shift: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shift * inv_freq, computed in float64: [k] x [D/2] -> [k, D/2] each (float64)."""
-    ang = shift.double().unsqueeze(-1) * freqs.double().unsqueeze(0)
+    """cos, sin of shift * inv_freq, computed in float64: [k] x [R/2] -> [k, R/2] each (float64); with
+    per-layer frequencies [L, R/2] -> [k, L, R/2]."""
+    ang = shift.double().reshape(-1, *([1] * freqs.dim())) * freqs.double().unsqueeze(0)
     return ang.cos(), ang.sin()
 
 

@@ -136,7 +136,7 @@ class Runtime:
 
     @functools.cached_property
     def freqs(self) -> torch.Tensor:
-        """RoPE inverse frequencies [head_dim / 2] float32 on the CPU (kvmemory.rope.inv_freq)."""
+        """RoPE inverse frequencies [R / 2] (or per layer [L, R / 2]) float32 on the CPU (kvmemory.rope.inv_freq)."""
         from kvmemory.rope import inv_freq
         return inv_freq(self.model)
 

@@ -142,7 +142,9 @@ class ChatMemory:
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
-        self.recompute = RECOMPUTE if recompute is None else recompute
+        # (0 for a model the blend cannot reproduce, kvmemory.blend.supported: its turns graft as they are)
+        from kvmemory.blend import supported
+        self.recompute = (RECOMPUTE if supported(rt.model) is None else 0.0) if recompute is None else recompute
         check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"kvmemory:chat-memory:{self.key}", head=head)

@@ -77,7 +77,6 @@ def chat_complete(mem, messages: list[dict], max_new_tokens: int = 256, stop=Non
 
     stop: strings that end the answer (not included). on_text(delta) streams the answer; returning
     True stops it."""
-    from transformers import DynamicCache
 
     from kvmemory import kv as kvops, prompts
     from kvmemory.decode import TextStream, greedy
@@ -91,7 +90,7 @@ def chat_complete(mem, messages: list[dict], max_new_tokens: int = 256, stop=Non
         raise WindowExceededError(f"the prompt is {len(ids)} tokens; at most {room} fit the model's window with "
                                   f"{max_new_tokens} answer tokens")
     with mem.exclusive():
-        cache = DynamicCache(config=mem.model.config)
+        cache = kvops.make_cache(None, mem.model.config)
         for _, _, logits in kvops.prefill_blocks(mem.model, ids, mem.block_tokens, cache,
                                                  chunk_tokens=mem.prefill_tokens):
             pass

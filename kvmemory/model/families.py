@@ -12,9 +12,14 @@ the whole context with RoPE whose angle is linear in the position. Refused, each
   short ones mid-sequence);
 - recurrent or hybrid layers (Mamba, gated delta nets, linear attention, short convolutions):
   their state is not a per-token KV cache; their exact persistence is a later step;
-- sliding-window attention and local/global layers (Mistral v0.1, Gemma 2 and 3, ...): a token
-  after a graft must see, in each local layer, exactly the window the canonical computation gives
-  it; until that path is built and tested these are refused rather than approximated.
+
+Sliding-window attention and local/global layers (Mistral v0.1, Gemma 2 and 3) are kept exact:
+kvmemory's caches hold every token in every layer (kvmemory.kv.new_cache) and the model's own mask
+applies each local layer's window, so a token after a graft attends in each local layer to exactly
+the tokens the canonical computation gives it; layers of different types may rotate with different
+RoPE frequencies (kvmemory.rope.inv_freq gives one set per layer). A local layer's KV older than its
+window is stored too (it is never attended to by later tokens: the bytes a local layer could save are
+measured by benchmarks/bench_models.py, not saved yet).
 
 The tested families (tests/model/test_conformance.py, the README's support matrix) are in
 FAMILIES.
@@ -40,6 +45,9 @@ FAMILIES = {
     "gemma": "Gemma (scaled embeddings, GeGLU, 1 + w RMSNorm)",
     "olmo": "OLMo (non-parametric layer norm)",
     "stablelm": "StableLM (partial rotary, LayerNorm)",
+    "mistral_sliding": "Mistral with a sliding window (v0.1)",
+    "gemma2": "Gemma 2 (local/global layers, attention and logit soft-capping)",
+    "gemma3_text": "Gemma 3 (five local layers to one global, two RoPE bases, QK-norm)",
 }
 
 # model types whose layers hold a recurrent or convolutional state, not only attention KV
@@ -65,18 +73,19 @@ def refusal(cfg) -> str | None:
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYERS | SLIDING_LAYERS})
     if other:
         return f"{kind} has layers of type {', '.join(other)}, not attention; only attention layers are supported"
-    sliding = [t for t in layer_types if t in SLIDING_LAYERS]
-    window = getattr(cfg, "sliding_window", None)
-    if sliding or (window and getattr(cfg, "use_sliding_window", True)
-                   and window < getattr(cfg, "max_position_embeddings", 0)):
-        what = f"{len(sliding)} of {len(layer_types)} layers" if sliding else "its layers"
-        return (f"{kind} uses sliding-window attention ({what}, window {window}); grafting it exactly is not "
-                "supported yet")
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     if not rope and getattr(cfg, "rope_theta", None) is not None:
         rope = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
-    if not rope or rope.get("rope_theta") is None:
+    if not rope or (rope.get("rope_theta") is None and not any(isinstance(v, dict) for v in rope.values())):
         return f"{kind} has no RoPE (its positions are learned or ALiBi): a stored key cannot move to a new position"
+    for sub in [v for v in rope.values() if isinstance(v, dict)]:      # one set per layer type (Gemma 3)
+        why = _rope_refusal(cfg, sub, kind)
+        if why is not None:
+            return why
+    return _rope_refusal(cfg, rope, kind)
+
+
+def _rope_refusal(cfg, rope: dict, kind: str) -> str | None:
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "dynamic":
         return "dynamic NTK RoPE changes its frequencies with the sequence length: stored keys cannot be re-rotated"

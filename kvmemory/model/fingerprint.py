@@ -46,7 +46,7 @@ def geometry(model) -> KVGeometry:
     families.check(model.config)
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
-    if not rope or rope.get("rope_theta") is None:
+    if not rope:                                  # (families.check refused a model without RoPE above)
         raise ModelLoadError(f"{type(model).__name__} has no RoPE parameters; kvmemory needs a RoPE causal LM")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = _dtype_name(next(model.parameters()).dtype)

@@ -253,6 +253,9 @@ def install(model) -> None:
     kernels allow it (`choose`: the first scheme `check` accepts), and that every product of the
     model is an nn.Linear it can replace: a mixture of experts multiplies each expert's weights
     over the tokens routed to it (how many depends on the batch), so it is refused."""
+    if getattr(model.config, "attn_logit_softcapping", None):
+        raise InvariantUnavailableError(f"{type(model).__name__} soft-caps its attention scores; invariant mode's "
+                                        "attention does not")
     for name, p in model.named_parameters():
         if p.dim() >= 3:
             raise InvariantUnavailableError(

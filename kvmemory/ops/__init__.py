@@ -2,6 +2,6 @@
 a CUDA kernel of the same name that is held to the same tests."""
 
 from kvmemory.ops.gather_blocks import gather_blocks, gather_blocks_ref
-from kvmemory.ops.window_attention import use_window_attention, window_attention, window_attention_ref
+from kvmemory.ops.window_attention import plain_attention, use_window_attention, window_attention, window_attention_ref
 
-__all__ = ["gather_blocks", "gather_blocks_ref", "use_window_attention", "window_attention", "window_attention_ref"]
+__all__ = ["gather_blocks", "gather_blocks_ref", "plain_attention", "use_window_attention", "window_attention", "window_attention_ref"]

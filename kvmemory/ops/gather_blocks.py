@@ -6,7 +6,8 @@
     dst     [k] int64            token offset of each slot in the window buffer
     shift   [k] int64            slot position - deposit position (0: exact byte copy)
     out     [L, 2, H, T, D]      the window buffer (written in place)
-    freqs   [R / 2] float32      RoPE inverse frequencies (rotate-half layout over the first R <= D dims)
+    freqs   [R / 2] float32      RoPE inverse frequencies (rotate-half layout over the first R <= D dims),
+            or [L, R / 2]        one set per layer (layers of different types: Gemma 3)
 
 Values (index 1) are copied as is; keys (index 0) are rotated by shift * freqs. A zero shift
 is a byte-exact copy. The math is done in float64 and rounded once to the buffer's dtype.
@@ -33,8 +34,9 @@ def _check(pool, idx, n, dst, shift, out, freqs) -> None:
                          "do not match")
     if not (len(idx) == len(n) == len(dst) == len(shift)):
         raise ValueError("idx, n, dst and shift must have one entry per gathered block")
-    if freqs.shape[-1] * 2 > out.shape[4] or freqs.shape[-1] == 0 or pool.dtype != out.dtype:
-        raise ValueError("freqs must have rotary dims / 2 entries (at most head_dim / 2) and pool/out the same dtype")
+    if freqs.shape[-1] * 2 > out.shape[4] or freqs.shape[-1] == 0 or pool.dtype != out.dtype or (
+            freqs.dim() == 2 and freqs.shape[0] != out.shape[0]) or freqs.dim() > 2:
+        raise ValueError("freqs must be [R/2] or per layer [L, R/2] (R <= head_dim) and pool/out the same dtype")
     if len(n) and (int(n.max()) > pool.shape[4] or int((dst + n).max()) > out.shape[3] or int(dst.min()) < 0):
         raise ValueError("a block does not fit its slot in the window buffer")
 
@@ -43,7 +45,9 @@ def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
     """Pure-torch reference (and CPU path) of gather_blocks; see the module docstring. pool may
     also be a list of blocks [L, 2, H, C, D] (the pager's, unstacked: no copy of them all first)."""
     _check(pool, idx, n, dst, shift, out, freqs)
-    cos, sin = shift_cos_sin(shift.cpu(), freqs.cpu())               # [k, D/2]
+    cos, sin = shift_cos_sin(shift.cpu(), freqs.cpu())               # [k, R/2], or per layer [k, L, R/2]
+    if freqs.dim() == 2:                                              # [k, L, 1, 1, R/2]: each layer its own
+        cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]
     for i in range(len(idx)):
         b, k, d, s = int(idx[i]), int(n[i]), int(dst[i]), int(shift[i])
         block = pool[b][:, :, :, :k]                                  # [L, 2, H, k, D]
@@ -57,8 +61,9 @@ def gather_blocks_ref(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
 
 def gather_blocks(pool, idx, n, dst, shift, out, freqs) -> torch.Tensor:
     """Dispatch: the CUDA kernel for CUDA tensors when it is built, otherwise the reference."""
-    # the kernel rotates whole heads; a partial rotary's keys go through the reference (the same float64 rotation)
-    if out.is_cuda and not isinstance(pool, (list, tuple)) and freqs.shape[-1] * 2 == out.shape[4]:
+    # the kernel rotates whole heads with one set of frequencies; a partial rotary's keys, or per-layer
+    # frequencies, go through the reference (the same float64 rotation)
+    if out.is_cuda and not isinstance(pool, (list, tuple)) and freqs.dim() == 1 and freqs.shape[-1] * 2 == out.shape[4]:
         from kvmemory.ops import cuda_ext
 
         kernel = cuda_ext.load()

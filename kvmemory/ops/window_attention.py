@@ -89,6 +89,13 @@ def register() -> str:
     return ATTN_NAME
 
 
+def plain_attention(model) -> bool:
+    """Whether the paged-window kernel computes this model's attention: every layer global, no soft-capping
+    of scores (a sliding-window or soft-capping model decodes with its own attention)."""
+    from kvmemory.kv import sliding
+    return not sliding(model.config) and not getattr(model.config, "attn_logit_softcapping", None)
+
+
 def use_window_attention(model) -> None:
     """Make `model` attend through window_attention (kernel on CUDA, SDPA otherwise)."""
     model.set_attn_implementation(register())

@@ -158,6 +158,31 @@ def test_batched_prefill_and_decoding_equal_each_sequence_alone(family, family_d
         torch.testing.assert_close(s, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_selective_recompute_reproduces_the_forward_or_is_refused(family, family_dirs, cache_dir, rng):
+    """The blend (kvmemory/blend.py) at r = 1 recomputes every token of the window: the logits of a fresh
+    prefill of the same text. A family whose forward it cannot reproduce is refused with the reason."""
+    from kvmemory.blend import blend_prefill, supported
+    from kvmemory.errors import InputError
+    from kvmemory.model import load_model
+
+    model, _, _ = load_model(str(family_dirs[family]), cache_dir=cache_dir)
+    ctx, q = _ids(rng, 40), _ids(rng, 5)
+    c = _fresh(model, ctx, 64)
+    kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in c.layers])
+    why = supported(model)
+    if why is not None:
+        assert family in ("granite", "mistral_sliding", "gemma2", "gemma3_text"), why
+        with pytest.raises(InputError, match="not available"):
+            blend_prefill(model, kv, ctx, q, 1.0)
+        return
+    logits, _, stats = blend_prefill(model, kv, ctx, q, 1.0)
+    with torch.inference_mode():
+        fresh = model(input_ids=torch.tensor([ctx + q])).logits[0, -1]
+    torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+    assert stats.recomputed == len(ctx)
+
+
 def _doc(rng) -> str:
     words = ["harbour", "lantern", "meadow", "copper", "orchard", "violet", "glacier", "thistle", "saddle", "quarry"]
     return " ".join(rng.choice(words) for _ in range(120))
@@ -230,6 +255,6 @@ def test_a_model_the_engine_cannot_keep_exact_is_refused_with_its_reason(name, t
     with pytest.raises(ModelLoadError, match=words):
         kvmemory.Memory(tmp_path / "r.kvm", model=str(d))
     assert not (tmp_path / "r.kvm").exists()
-    if name in ("mistral-sliding", "dynamic-ntk", "gemma2"):     # a loaded model passed in: refused the same
+    if name in ("dynamic-ntk", "longrope"):                      # a loaded model passed in: refused the same
         with pytest.raises(ModelLoadError, match=words):
             kvmemory.Memory(tmp_path / "r2.kvm", model=build(cfg), tokenizer=tokenizer)
