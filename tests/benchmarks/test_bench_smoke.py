@@ -189,14 +189,15 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
 
 @pytest.mark.real_model
 def test_bench_models_measures_a_family_and_reports_a_refused_one(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_models.py", "--families", "smollm2-135m,gemma-3-1b",
+    p = subprocess.run([sys.executable, "benchmarks/bench_models.py", "--families", "tiny-llama,phi-3.5-mini",
                         "--tokens", "300", "--e3", "2", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("models-*.json")).read_text())
     ok, refused = res["rows"]
-    assert ok["family"] == "smollm2-135m" and ok["e3_exact"] == ok["e3_states"] == 2
-    assert ok["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4 and ok["disk_bytes_per_token"] >= ok["kv_bytes_per_token"]
+    assert ok["family"] == "tiny-llama" and ok["e3_exact"] == ok["e3_states"] == 2
+    assert ok["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and ok["disk_bytes_per_token"] >= ok["kv_bytes_per_token"]
     assert ok["prefill_tok_s"] > 0 and ok["restore_suffix_s"] > 0 and ok["batched_speedup"] > 0
-    assert "sliding-window" in refused["refused"]
+    assert refused["family"] == "phi-3.5-mini" and "longrope" in refused["refused"]
+    assert ok["dead_share"] == 0.0 and ok["local_layers"] == 0
     assert next(tmp_path.glob("models-*.png")).stat().st_size > 0
