@@ -72,14 +72,14 @@ def test_rerank_scores_equal_a_fresh_prefill_of_each_segment_prefix(request, rng
 def test_ask_with_rerank_grafts_the_reranked_best_and_the_margin_decides_the_second(mem, rng):
     mem.add(words(rng, 2600), doc_id="a")
     q = "river lantern copper meadow?"
-    a = mem.ask(q, top_k=2, rerank=6, rerank_margin=0.0, min_relevance=0.0, max_new_tokens=3)
+    a = mem.ask(q, top_k=2, rerank=6, rerank_margin=0.0, min_relevance=0.0, max_new_tokens=3, rerank_keep=False)
     st = a.stats
     assert st["reranked"]["blocks"] == 6 and st["timings_s"]["rerank"] > 0
     assert st["blocks_selected"] == 1                                 # margin 0: only the best (no ties here)
     docs = mem.documents
     best, _ = rerank(mem.rt, docs, docs.prelude.question_ids(q), rank_blocks(mem.rt, docs, q, "text", n=16), 6)
     assert [s.candidate.row for s in a.window.slots if s.candidate.selected] == [best[0].row]
-    wide = mem.ask(q, top_k=2, rerank=6, rerank_margin=100.0, min_relevance=0.0, max_new_tokens=3)
+    wide = mem.ask(q, top_k=2, rerank=6, rerank_margin=100.0, min_relevance=0.0, max_new_tokens=3, rerank_keep=False)
     alone = mem.ask(q, top_k=2, rerank=6, min_relevance=1.0, max_new_tokens=3)   # only exact BM25 ties contend
     assert alone.stats["reranked"]["blocks"] < 6
     assert wide.stats["blocks_selected"] == 2
@@ -87,6 +87,27 @@ def test_ask_with_rerank_grafts_the_reranked_best_and_the_margin_decides_the_sec
     for bad in ({"rerank": -1}, {"rerank": True}, {"rerank_margin": -0.5}, {"max_context_tokens": 0}):
         with pytest.raises(InputError):
             mem.ask(q, **bad)
+
+
+def test_the_re_rank_keeps_the_first_rankings_best_and_adds_its_own(mem, rng):
+    """rerank_keep (the default): the block the lexical and dense ranks put first stays in the window;
+    where the re-rank puts another first, that one joins it; top_k 1 keeps the first ranking's alone."""
+    from kvmemory.retrieve import Ranked, relevant
+    rs = [Ranked(i, 1.0, {}, {}) for i in range(4)]
+    re = [Ranked(2, -1.0, {}, {}), Ranked(1, -1.2, {}, {}), Ranked(0, -3.0, {}, {}), Ranked(3, -9.0, {}, {})]  # best first
+    assert [h.row for h in within_margin(re, 2, 0.5)] == [2, 1]                     # without keep: 0 is dropped
+    assert [h.row for h in within_margin(re, 2, 0.5, keep=rs[0])] == [2, 0]         # with it: 0 stays, 2 joins
+    assert within_margin(re, 2, 0.5, keep=rs[0])[1].score == -3.0                   # with its re-rank score
+    assert [h.row for h in within_margin(re, 3, 0.5, keep=rs[0])] == [2, 0, 1]
+    assert [h.row for h in within_margin(re, 1, 0.5, keep=rs[0])] == [0]
+    assert [h.row for h in within_margin(re, 2, 0.5, keep=rs[2])] == [2, 1]         # the same block: nothing added
+    mem.add(words(rng, 2600), doc_id="a")
+    q = "river lantern copper meadow?"
+    docs = mem.documents
+    pool = rank_blocks(mem.rt, docs, q, "text", n=16)
+    first = relevant(pool, 6, 0.0)[0]
+    a = mem.ask(q, top_k=2, rerank=6, rerank_margin=0.0, min_relevance=0.0, max_new_tokens=3)
+    assert first.row in [s.candidate.row for s in a.window.slots if s.candidate.selected]
 
 
 def test_ask_holds_the_grafted_tokens_to_the_budget(mem, rng):
