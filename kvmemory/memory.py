@@ -48,11 +48,10 @@ class Memory:
 
     Memory(path) opens the store at `path` or creates it (an empty or missing directory),
     with the embedded default model. `model` may be a local transformers directory, a .gguf file
-    (dequantized to float32 once and cached), a Hugging Face Hub id already in the local cache
-    (never downloaded), a loaded model (pass `tokenizer=` too) or a (model, tokenizer) tuple; a
-    model the engine cannot keep exact (kvmemory/model/families.py) raises ModelLoadError with the
-    reason. `device`: where a model loaded from disk computes ("cpu", "cuda", "cuda:N", "auto";
-    default env KVMEMORY_DEVICE, else cpu). Opening a store
+    (dequantized to float32 once, cached), a Hugging Face Hub id in the local cache (never
+    downloaded), a loaded model (with `tokenizer=`) or a (model, tokenizer) tuple; one the engine
+    cannot keep exact (kvmemory/model/families.py) raises ModelLoadError with the reason. `device`:
+    "cpu", "cuda", "cuda:N", "auto" (default env KVMEMORY_DEVICE, else cpu). Opening a store
     written by a model with another fingerprint raises ModelMismatchError. A store whose
     directory is not writable, or `read_only=True`, opens read-only: writes raise
     StoreReadOnlyError. Use as a context manager or call close().

@@ -28,7 +28,7 @@ def inv_freq(model) -> torch.Tensor:
     for mod in model.modules():
         per_type = {t: getattr(mod, f"{t}_inv_freq", None) for t in set(types)}
         if types and all(isinstance(f, torch.Tensor) for f in per_type.values()):
-            freqs = torch.stack([per_type[t].detach().float().cpu() for t in types])
+            freqs = torch.stack([torch.as_tensor(per_type[t]).detach().float().cpu() for t in types])
             return freqs[0] if all(torch.equal(f, freqs[0]) for f in freqs) else freqs
         f = getattr(mod, "inv_freq", None)
         if isinstance(f, torch.Tensor):

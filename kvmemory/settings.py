@@ -106,16 +106,17 @@ def load(flags: dict[str, Any] | None = None, config_file=None,
     the defaults. Returns them and, per field, where its value came from ("flag", "env VAR",
     "file PATH" or "default")."""
     import os
+    from collections.abc import Mapping
 
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     if config_file is not None:
         for k, v in read_file(config_file).items():
             values[k], source[k] = v, f"file {config_file}"
     for var, field in ENV.items():
-        if env.get(var):
-            values[field], source[field] = env[var], f"env {var}"
+        if environ.get(var):
+            values[field], source[field] = environ[var], f"env {var}"
     for k, v in (flags or {}).items():
         if v is not None:
             if k not in FIELDS:
