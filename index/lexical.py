@@ -19,6 +19,7 @@ tests/index/test_lexical.py holds them to bm25s on random corpora, after adds an
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -140,22 +141,30 @@ class LexicalIndex:
         top = top[np.lexsort((ids[top], -sc[top]))]       # by score, then id: deterministic
         return [(int(ids[i]), float(sc[i])) for i in top]
 
-    def save(self, path: Path) -> None:
-        """The whole corpus as the base, written atomically; then the log is dropped (the base holds it)."""
+    def save(self, path: Path, seal=None) -> None:
+        """The whole corpus as the base, written atomically; then the log is dropped (the base holds it).
+        seal (kvmemory/store/seal.py FileSeal): the file's bytes sealed by its owner's key."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"version": VERSION, "docs": {str(i): t for i, t in self._docs.items()}}, f)
+        data = json.dumps({"version": VERSION, "docs": {str(i): t for i, t in self._docs.items()}}).encode()
+        if seal is not None:
+            data = seal.dump(data, path.name)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         log_path(path).unlink(missing_ok=True)
 
-    def append(self, path: Path, added, removed) -> None:
+    def append(self, path: Path, added, removed, seal=None) -> None:
         """Record a change (window ids removed, then added with their terms as held now) in the log
-        beside the base at `path`: one JSON line, fsynced. The caller holds the writer lock."""
+        beside the base at `path`: one JSON line (sealed: one base64 line), fsynced. The caller holds
+        the writer lock."""
         rec = {"rm": [int(i) for i in removed], "add": {str(int(i)): self._docs[int(i)] for i in added
                                                          if int(i) in self._docs}}
         log = log_path(path)
+        line = json.dumps(rec, separators=(",", ":")).encode()
+        if seal is not None:
+            line = base64.b64encode(seal.dump(line, log.name))
         with open(log, "a+b") as f:
             f.seek(0, os.SEEK_END)
             if f.tell():
@@ -163,14 +172,17 @@ class LexicalIndex:
                 torn = f.read(1) != b"\n"                 # a crash mid-append: end that line first
             else:
                 torn = False
-            f.write((b"\n" if torn else b"") + json.dumps(rec, separators=(",", ":")).encode() + b"\n")
+            f.write((b"\n" if torn else b"") + line + b"\n")
             f.flush()
             os.fsync(f.fileno())
 
     @classmethod
-    def load(cls, path: Path) -> "LexicalIndex":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+    def load(cls, path: Path, seal=None) -> "LexicalIndex":
+        from kvmemory.errors import StoreCorruptError
+        raw = path.read_bytes()
+        if seal is not None:
+            raw = seal.load(raw, path.name, str(path))
+        data = json.loads(raw)
         if data.get("version") != VERSION:
             raise ValueError(f"{path}: unknown lexical index version {data.get('version')!r}")
         out = cls()
@@ -183,9 +195,11 @@ class LexicalIndex:
             lines = []
         for line in lines[:-1]:                        # the last piece has no newline: torn or empty
             try:
+                if seal is not None:
+                    line = seal.load(base64.b64decode(line, validate=True), log_path(path).name, str(path))
                 rec = json.loads(line)
                 gone, new = [int(i) for i in rec["rm"]], {int(i): list(t) for i, t in rec["add"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, StoreCorruptError):
                 continue                               # a torn record: its rows are found missing and rebuilt
             for i in gone:
                 out._drop(i)

@@ -102,17 +102,29 @@ class VectorIndex:
         self.index.add_with_ids(vecs, ids)
         self.kind = "ivf"
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, seal=None) -> None:
+        """Written atomically; seal (kvmemory/store/seal.py FileSeal): its bytes sealed by its owner's key."""
         faiss = _faiss()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        faiss.write_index(self.index, str(tmp))
+        if seal is None:
+            faiss.write_index(self.index, str(tmp))
+        else:
+            data = seal.dump(faiss.serialize_index(self.index).tobytes(), path.name)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, dim: int) -> "VectorIndex":
+    def load(cls, path: Path, dim: int, seal=None) -> "VectorIndex":
         faiss = _faiss()
         v = cls(dim)
-        v.index = faiss.read_index(str(path))
+        if seal is None:
+            v.index = faiss.read_index(str(path))
+        else:
+            raw = seal.load(path.read_bytes(), path.name, str(path))
+            v.index = faiss.deserialize_index(np.frombuffer(raw, np.uint8).copy())
         if v.index.d != dim:
             raise ValueError(f"{path} holds vectors of dim {v.index.d}, expected {dim}")
         inner = faiss.downcast_index(v.index.index)

@@ -10,16 +10,18 @@ Heavy dependencies (torch, transformers, zarr) load on first use of Memory.
 """
 
 from kvmemory.errors import (CompactStoreError, DocumentNotFoundError, EmptyStoreError, InputError, KVMemoryError,
-                             MissingDependencyError, ModelLoadError, ModelMismatchError, StateNotFoundError,
-                             StoreCorruptError, StoreError, StoreExistsError, StoreLockedError, StoreReadOnlyError,
-                             VerificationError, WindowExceededError)
+                             KeyDestroyedError, MissingDependencyError, ModelLoadError, ModelMismatchError,
+                             StateNotFoundError, StoreCorruptError, StoreError, StoreExistsError, StoreKeyError,
+                             StoreLockedError, StoreReadOnlyError, VerificationError, WindowExceededError,
+                             WrongKeyError)
 
 __version__ = "0.1.0"
 
 __all__ = ["AskOptions", "CompactStoreError", "DocumentNotFoundError", "EmptyStoreError", "InputError", "KVMemoryError",
-           "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
-           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreLockedError",
-           "StoreReadOnlyError", "VerificationError", "WindowExceededError", "__version__"]
+           "KeyDestroyedError", "Memory", "MissingDependencyError", "ModelLoadError", "ModelMismatchError", "State",
+           "StateNotFoundError", "StoreCorruptError", "StoreError", "StoreExistsError", "StoreKeyError",
+           "StoreLockedError", "StoreReadOnlyError", "VerificationError", "WindowExceededError", "WrongKeyError",
+           "__version__"]
 
 
 def __getattr__(name):  # lazy: `import kvmemory` stays light

@@ -103,6 +103,9 @@ def compact(rt: Runtime, dest, encoding: str = "fp16", progress=None) -> Compact
     m = src.manifest
     if src.encoding.lossy:
         raise InputError(f"store {src.name} is already compact ({m.encoding}); compact its exact source")
+    if m.encryption:
+        raise InputError(f"store {src.name} is encrypted: compacting an encrypted store is not supported (a compact "
+                         "copy would be written in plain)")
     enc = encodings.get(encoding, m.kv_dtype)
     if not enc.lossy:
         raise InputError("compact to a lossy encoding (bf16, fp16); an exact copy is a copy of the directory")

@@ -32,12 +32,17 @@ class StoreConfig:
         forwards (measured here: 64 prefills ~25% slower than 256, 128 ~5%). It changes the
         bytes of every block, so it is part of the store's fingerprint (blocks of such a store
         are never another store's).
+    encrypt: seal the store at rest (AES-256-GCM, kvmemory/store/seal.py): every block's KV and
+        token ids and every selection index file, by its owner's data key (a chat user's; the
+        store's own for shared documents), data keys wrapped by a master key held apart
+        (kvmemory/keys.py: KVMEMORY_KEYRING and KVMEMORY_MASTER_KEY or KVMEMORY_MASTER_KEY_FILE).
     """
 
     block_tokens: int = 256
     shard_blocks: int = 4
     codec: str = "none"
     prefill_tokens: int = 0
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         if not (1 <= self.block_tokens <= 65536):

@@ -22,13 +22,14 @@ import torch
 import xxhash
 
 from kvmemory import hashing, kv as kvops
-from kvmemory.errors import DocumentNotFoundError, InputError, StoreError
+from kvmemory.errors import DocumentNotFoundError, InputError, StoreCorruptError, StoreError
 from kvmemory.index import INDEXES, VectorIndex
 from kvmemory.index import windows as win
 from kvmemory.index.lexical import LexicalIndex, log_path
 from kvmemory.index import keys as keysel
 from kvmemory.store import Change
 from kvmemory.store.manifest import DocEntry
+from kvmemory.store.seal import FileSeal
 from kvmemory.prelude import USER_DOCS, Prelude, PromptLayout, Scope
 from kvmemory.runtime import Runtime
 from kvmemory.text import check_doc_id, decode_text, read_files, text_ids, valid_id
@@ -110,12 +111,18 @@ class Documents:
         ident = self._ident(kind)            # before reading: a change after it is seen next time
         if ident[0] is None:
             return None
+        seal = self._seal()
         try:
-            idx = LexicalIndex.load(path) if kind == "bm25" else VectorIndex.load(path, self.dims[kind])
-        except (RuntimeError, ValueError, OSError, KeyError):
+            idx = LexicalIndex.load(path, seal) if kind == "bm25" else VectorIndex.load(path, self.dims[kind], seal)
+        except (RuntimeError, ValueError, OSError, KeyError, StoreCorruptError):
             return None                      # derived data: damaged means rebuild
         self._file_ident[kind] = ident
         return idx
+
+    def _seal(self) -> FileSeal | None:
+        """How this scope's index files are sealed: by its owner's key in an encrypted store."""
+        sealer = self.rt.store().sealer
+        return None if sealer is None else FileSeal(sealer, self.scope.owner)
 
     def _index_path(self, kind: str) -> Path:
         return self.rt.path / self.scope.index_dir / INDEX_FILES[kind]
@@ -228,7 +235,7 @@ class Documents:
         with store.write_lock():
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                idx.save(path)
+                idx.save(path, self._seal())
             except (OSError, RuntimeError) as e:   # faiss reports a full disk as RuntimeError
                 for tmp in path.parent.glob(f".{path.name}.*.tmp"):
                     tmp.unlink(missing_ok=True)
@@ -248,7 +255,7 @@ class Documents:
             return False                     # past a quarter of the base: write it whole, drop the log
         with store.write_lock():
             try:
-                idx.append(path, added, removed)
+                idx.append(path, added, removed, self._seal())
             except OSError as e:
                 raise StoreError(f"cannot write the index log {log_path(path)}: {e}") from None
             self._file_ident[kind] = self._ident(kind)
@@ -282,16 +289,19 @@ class Documents:
 
     # ------------------------------------------------------------------ deposit
     def prelude_state(self):
-        """The prelude as a stored state (saved on first use, then read back verified)."""
-        rt = self.rt
-        sid = hashing.chain_ids(rt.fingerprint, self.prelude.ids, rt.block_tokens)[-1].hex()
+        """The prelude as a stored state (saved on first use, then read back verified) and the row of
+        its last block. A scope with an owner has the owner's own prelude (a salted chain)."""
+        rt, owner = self.rt, self.scope.owner
+        root = hashing.ROOT_PARENT if owner is None else rt.store().owner_root(owner)
+        last = hashing.chain_ids(rt.fingerprint, self.prelude.ids, rt.block_tokens, parent=root)[-1]
+        sid = last.hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{last.hex()}".encode())
         if self._prelude is None or self._prelude.id != sid:
             rt.store().refresh()
             if sid in rt.store().manifest.states:
                 self._prelude = rt.load(sid)
             else:
-                self._prelude = rt.save(self.prelude.ids, label=self.scope.label)
-        return self._prelude, rt.store().row_of(bytes.fromhex(sid))
+                self._prelude = rt.save(self.prelude.ids, label=self.scope.label, owner=owner)
+        return self._prelude, rt.store().row_of(last)
 
     def prelude_kv(self) -> torch.Tensor:
         """[L, 2, H, p, D] KV of the prelude."""
@@ -368,7 +378,7 @@ class Documents:
         rt, store = self.rt, self.rt.store()
         prelude, prelude_row = self.prelude_state()
         p, C = prelude.n_tokens, store.manifest.block_tokens
-        chain = hashing.chain_ids(rt.fingerprint, seg, C, parent=bytes.fromhex(prelude.id), start=p)
+        chain = hashing.chain_ids(rt.fingerprint, seg, C, parent=store.manifest.id_of(prelude_row), start=p)
         store.refresh()
         rows = [store.row_of(b) for b in chain]
         if all(r is not None for r in rows):
@@ -388,7 +398,8 @@ class Documents:
         rows: list[int] = []
 
         def build(s):
-            new, got = s.plan_chain(chain, seg, p, prelude_row, lambda i: kvops.to_storage(kv[i]))
+            new, got = s.plan_chain(chain, seg, p, prelude_row, lambda i: kvops.to_storage(kv[i]),
+                                    owner=self.scope.owner)
             rows[:] = got
             return Change(new)
         self.rt.store().commit(build)

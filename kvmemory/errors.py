@@ -49,6 +49,18 @@ class StoreLockedError(StoreError):
     """Another writer holds the store's lock and did not release it in time."""
 
 
+class StoreKeyError(StoreError):
+    """An encrypted store's key is missing, destroyed or not the right one: nothing was decrypted."""
+
+
+class WrongKeyError(StoreKeyError):
+    """A master key or data key is not the one that wrapped or sealed what is read."""
+
+
+class KeyDestroyedError(StoreKeyError):
+    """What is read was sealed by a data key that was destroyed (its owner was forgotten)."""
+
+
 class CompactStoreError(StoreError):
     """What a compact (lossy-encoded) store cannot do: take new blocks (they are encoded from an
     exact store by `kvmemory compact`), or prove E3 (its blocks are not the exact KV)."""

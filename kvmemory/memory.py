@@ -21,7 +21,7 @@ from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError
 from kvmemory.model import fingerprint, geometry, load_model
 from kvmemory.model import half, invariant as invariant_ops
-from kvmemory.opening import create_store, open_store
+from kvmemory.opening import open_or_create
 from kvmemory.options import AskOptions
 from kvmemory.progress import bar as _bar
 from kvmemory.runtime import MAKE_WAY_S, Runtime, StoreHandle
@@ -87,7 +87,8 @@ class Memory:
                  read_only: bool = False, lock_timeout_s: float | None = None, cache_dir=None,
                  dtype: torch.dtype | None = None, segment_blocks: int | None = None,
                  storage_options: dict | None = None, work_dir=None, store_cache_bytes: int | None = None,
-                 invariant: bool | None = None, device: str | None = None) -> None:
+                 invariant: bool | None = None, device: str | None = None, encrypt: bool | None = None,
+                 keys=None) -> None:
         if segment_blocks is not None and (isinstance(segment_blocks, bool) or not isinstance(segment_blocks, int)
                                            or segment_blocks < 1):
             raise InputError(f"segment_blocks must be an integer >= 1, got {segment_blocks!r}")
@@ -119,9 +120,8 @@ class Memory:
             half.install(self.model)      # a bf16/fp16 model on CPU: its attention in float32 (fast, exact)
         self.geometry = geometry(self.model)
         self.fingerprint = fingerprint(self.model)
-        store = open_store(loc, self.model, self.geometry, self.fingerprint, self.runtime, read_only) if loc.exists \
-            else create_store(loc, self.model, self.model_name, self.geometry, self.fingerprint, self.runtime,
-                              store_config)
+        store = open_or_create(loc, self.model, self.model_name, self.geometry, self.fingerprint, self.runtime,
+                               read_only, store_config, encrypt, keys)
         self.fingerprint = store.manifest.fingerprint     # the model's, or derived (a prefill_tokens store)
         kv_dtype = getattr(torch, self.geometry.dtype)
         handle = StoreHandle(store, self.location, kv_dtype, self.runtime, self.model.device)

@@ -4,24 +4,46 @@ geometry in its header."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
+
 from kvmemory.config import RuntimeConfig, StoreConfig, from_env
-from kvmemory.errors import ModelMismatchError
+from kvmemory.errors import InputError, ModelMismatchError
 from kvmemory.model import half, invariant as invariant_ops
 from kvmemory.model.fingerprint import KVGeometry, with_prefill
 from kvmemory.store import BlockStore
-from kvmemory.store.manifest import Manifest
+from kvmemory.store.manifest import CIPHER, Manifest
 
 
 def open_store(loc, model, geometry: KVGeometry, fingerprint: str, config: RuntimeConfig,
-               read_only: bool) -> BlockStore:
+               read_only: bool, keys=None) -> BlockStore:
     """The store at `loc` (store.location.locate), which must have been written by this model in this
-    mode and dtype: ModelMismatchError naming what differs otherwise."""
+    mode and dtype: ModelMismatchError naming what differs otherwise. keys: an encrypted store's
+    KeyProvider (None: the environment's, kvmemory/keys.py)."""
     store = BlockStore(loc.root, read_only=read_only, lock_timeout_s=config.lock_timeout_s,
-                       files=loc.files if loc.remote else None, cache_bytes=config.store_cache_bytes)
+                       files=loc.files if loc.remote else None, cache_bytes=config.store_cache_bytes, keys=keys)
     m = store.manifest
     want = with_prefill(fingerprint, m.prefill_tokens, m.block_tokens)
     if m.fingerprint != want:
         raise ModelMismatchError(m.fingerprint, want, loc.name, _hint(m, model, geometry))
+    if store.sealer is not None and not read_only:
+        from kvmemory.chat_memory.memory import finish_forgets
+        finish_forgets(store, loc.root)          # a forget a crash cut short after its key was destroyed
+    return store
+
+
+def open_or_create(loc, model, model_name: str, geometry: KVGeometry, fingerprint: str, config: RuntimeConfig,
+                   read_only: bool, store_config: StoreConfig | None, encrypt: bool | None, keys):
+    """Memory's store: the one at `loc` opened, or a new one created (encrypted where `encrypt` or the
+    StoreConfig says so). encrypt=True on an existing store that is not encrypted is an InputError."""
+    if encrypt is not None:
+        store_config = dataclasses.replace(store_config or from_env(StoreConfig), encrypt=bool(encrypt))
+    if not loc.exists:
+        return create_store(loc, model, model_name, geometry, fingerprint, config, store_config, keys)
+    store = open_store(loc, model, geometry, fingerprint, config, read_only, keys)
+    if encrypt and not store.manifest.encryption:
+        raise InputError(f"store {loc.name} exists and is not encrypted: encryption is chosen when a store is "
+                         "created (deposit into a new, encrypted store)")
     return store
 
 
@@ -47,7 +69,7 @@ def _hint(m: Manifest, model, geometry: KVGeometry) -> str:
 
 
 def create_store(loc, model, model_name: str, geometry: KVGeometry, fingerprint: str, config: RuntimeConfig,
-                 store_config: StoreConfig | None) -> BlockStore:
+                 store_config: StoreConfig | None, keys=None) -> BlockStore:
     """A new store at `loc` for this model, its header holding the model's geometry and mode."""
     cfg = store_config or from_env(StoreConfig)
     g = geometry
@@ -59,8 +81,9 @@ def create_store(loc, model, model_name: str, geometry: KVGeometry, fingerprint:
         model={"name": model_name, "layers": g.layers, "kv_heads": g.kv_heads,
                "head_dim": g.head_dim, "max_positions": g.max_positions, "rope": g.rope,
                **({"kernels": kernels} if kernels != invariant_ops.DEFAULT else {}),
-               **({"attention": attention} if attention is not None else {})})
+               **({"attention": attention} if attention is not None else {})},
+        encryption={"cipher": CIPHER, "store": uuid.uuid4().hex} if cfg.encrypt else None)
     if loc.remote:
         return BlockStore.create_remote(loc.files, loc.root, manifest, lock_timeout_s=config.lock_timeout_s,
-                                        cache_bytes=config.store_cache_bytes)
-    return BlockStore.create(loc.root, manifest, lock_timeout_s=config.lock_timeout_s)
+                                        cache_bytes=config.store_cache_bytes, keys=keys)
+    return BlockStore.create(loc.root, manifest, lock_timeout_s=config.lock_timeout_s, keys=keys)

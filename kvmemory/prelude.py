@@ -36,6 +36,8 @@ class Scope:
     layout: PromptLayout = PromptLayout()
     label: str = "kvmemory:prelude"     # the prelude state's label
     head: str | None = None             # the prelude's text as given (instead of one built from layout)
+    owner: str | None = None            # whose blocks and index files these are (a chat user's key): their
+                                        # chains are salted by it, an encrypted store seals them by its key
 
     def owns(self, doc_id: str) -> bool:
         return doc_id.startswith(self.prefix) if self.prefix else not doc_id.startswith(USER_DOCS)

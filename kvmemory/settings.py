@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     prefill_tokens: int | None = Field(None, ge=0, description="tokens per forward of the canonical prefill")
     shard_blocks: int | None = Field(None, ge=1, le=4096, description="blocks per Zarr shard file")
     codec: Literal["none", "zstd", "lz4"] | None = Field(None, description="the blocks' lossless codec")
+    encrypt: bool | None = Field(None, description="encrypt a store being created at rest (AES-256-GCM)")
     # ---- the process (RuntimeConfig)
     lock_timeout_s: float | None = Field(None, ge=0, description="seconds a writer waits for another's lock")
     cache_dir: Path | None = Field(None, description="where converted model weights are cached")

@@ -113,7 +113,7 @@ class States:
         C = store.manifest.block_tokens
         # an owner's chain is salted: its ids are no other owner's, so another user's equal prefix is
         # never found here (no cache hit, no shorter commit), only the owner's own blocks are
-        root = hashing.ROOT_PARENT if owner is None else hashing.salt_root(f"kvmemory-owner:{owner}")
+        root = hashing.ROOT_PARENT if owner is None else store.owner_root(owner)
         chain = hashing.chain_ids(self.fingerprint, ids, C, parent=root)
         store.refresh()
         have = 0
@@ -143,7 +143,7 @@ class States:
             return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])
 
         def build(s):
-            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of, root)   # another writer may have committed some
+            new, rows = s.plan_chain(chain, ids, 0, -1, kv_of, root, owner)   # another writer may have committed some
             have = s.manifest.states.get(state_id)
             if not new and have is not None and (not label or have.label == label):
                 return Change()                      # already stored as asked: no commit

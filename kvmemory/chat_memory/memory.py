@@ -22,6 +22,7 @@ import json
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 
@@ -48,6 +49,7 @@ def drop_forgotten_users(store, path) -> list[str]:
     from pathlib import Path
 
     from kvmemory.documents import USER_DOCS
+    finish_forgets(store, path)
     users = Path(path) / USERS_DIR
     if not users.is_dir():
         return []
@@ -60,6 +62,38 @@ def drop_forgotten_users(store, path) -> list[str]:
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(d.name)
     return removed
+
+
+def finish_forgets(store, path) -> list[str]:
+    """An encrypted store: forget the users whose data key was destroyed (a forget a crash cut short
+    after its commit point): their turns and states leave the manifest in one commit, their index
+    files are removed. Needs no model. Returns the user keys finished."""
+    from kvmemory.store import Change
+    if store.sealer is None or store.read_only:
+        return []
+    store.refresh()
+    m = store.manifest
+    keys = {d[len(USER_DOCS):].split(":", 1)[0] for d in m.docs if d.startswith(USER_DOCS)}
+    keys |= {e.label.split(":")[2] for e in m.states.values() if e.label.startswith(("kvmemory:chat:",
+                                                                                      "kvmemory:chat-memory:"))}
+    gone = sorted(k for k in keys if k and store.sealer.destroyed(k))
+    if not gone:
+        return []
+
+    def mine(k: str, label: str) -> bool:
+        return label.startswith(f"kvmemory:chat:{k}:") or label == f"kvmemory:chat-memory:{k}"
+
+    def build(s):
+        docs = tuple(d for d in s.manifest.docs if any(d.startswith(f"{USER_DOCS}{k}:") for k in gone))
+        states = tuple(sid for sid, e in s.manifest.states.items() if any(mine(k, e.label) for k in gone))
+        return Change(removed_docs=docs, removed_states=states)
+    store.commit(build)
+    with store.write_lock():
+        for k in gone:
+            shutil.rmtree(Path(path) / USERS_DIR / k, ignore_errors=True)
+    return gone
+
+
 HEADER = "What this user said in earlier conversations"
 NOTE = "Notes from earlier conversations with this user"
 LAYOUTS = ("turns", "system")
@@ -147,7 +181,7 @@ class ChatMemory:
         self.recompute = (RECOMPUTE if supported(rt.model) is None else 0.0) if recompute is None else recompute
         check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
-                           label=f"kvmemory:chat-memory:{self.key}", head=head)
+                           label=f"kvmemory:chat-memory:{self.key}", head=head, owner=self.key)
 
     @property
     def docs(self):
@@ -256,7 +290,11 @@ class ChatMemory:
         those sessions' conversations: one commit removes them all (a crash before it: none; the
         next forget finishes it); their rows leave the user's indexes (or, should a crash come
         first, at the indexes' next load); `gc` then deletes their bytes. Forgetting everything also
-        removes the user's index files (gc removes those of a user with no turns left)."""
+        removes the user's index files (gc removes those of a user with no turns left).
+
+        In an encrypted store forgetting everything first destroys the user's data key (the commit
+        point: from then on no copy of the store can decrypt their turns, states or indexes); a
+        crash after it is finished by the next open (finish_forgets)."""
         store = self.rt.store()
         store.refresh()
         want = self.prefix if session is None else f"{self.prefix}{session_key(session)}:"
@@ -265,6 +303,14 @@ class ChatMemory:
         states = [s for s, e in store.manifest.states.items()
                   if (e.label.startswith(label) if session is None else e.label == label)
                   or (session is None and e.label == self.scope.label)]
+        if session is None and store.sealer is not None:
+            rows = [r for d in ids for r in store.manifest.docs[d].rows]
+            rows += [r for s in states for r in store.chain(store.manifest.states[s].last_row)]
+            store.sealer.destroy(self.key)           # the commit point
+            finish_forgets(store, self.rt.path)      # the manifest and index files (no index is read)
+            self.rt.forget_blocks(rows)              # this process's decrypted copies (the pager's tiers)
+            self.scopes.drop(self.scope)
+            return Forgotten(len(ids), len(states))
         n = self.docs.remove_all(ids, states=states)
         if session is None:
             with store.write_lock():

@@ -9,11 +9,11 @@ import argparse
 import os
 import sys
 
-from kvmemory.cli import documents, library, serve, states
+from kvmemory.cli import documents, keys, library, serve, states
 from kvmemory.cli.common import EPILOG, model_arg
 from kvmemory.errors import KVMemoryError
 
-MODULES = (states, documents, serve, library)
+MODULES = (states, documents, serve, library, keys)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -42,6 +42,11 @@ def model_arg(sp) -> None:
                          "KVMEMORY_DTYPE): bfloat16 prefills ~2.5x and decodes ~1.8x faster where the CPU has "
                          "AVX-512 BF16 or AMX, its KV half the bytes. A store records its dtype: an existing one is "
                          "opened in it (another --dtype is an error)")
+    sp.add_argument("--encrypt", action="store_true", default=None,
+                    help="a store being created is encrypted at rest (AES-256-GCM: blocks' KV and token ids, "
+                         "selection indexes; a data key per chat user): keys from KVMEMORY_KEYRING (a directory "
+                         "apart from the store) and KVMEMORY_MASTER_KEY or KVMEMORY_MASTER_KEY_FILE (env "
+                         "KVMEMORY_ENCRYPT=1); an encrypted store needs them to open")
 
 
 def positive_int(text: str) -> int:
@@ -92,4 +97,4 @@ def open_memory(args, read_only=False, create=False, **kw):
     model = getattr(args, "model", None) or os.environ.get("KVMEMORY_MODEL") or None
     return Memory(args.store, model=model, read_only=read_only,
                   invariant=getattr(args, "invariant", None), dtype=store_dtype(args),
-                  device=getattr(args, "device", None), **kw)
+                  device=getattr(args, "device", None), encrypt=getattr(args, "encrypt", None) or None, **kw)

@@ -80,6 +80,8 @@ def cmd_serve(args) -> int:
         if where.startswith("file ") and f not in SERVE_ONLY:
             os.environ[env_name(f)] = str(getattr(settings, f))
     s = settings
+    if s.encrypt:                          # a store the server creates is encrypted (StoreConfig reads it)
+        os.environ[env_name("encrypt")] = "true"
     args.dtype, args.model = s.dtype, s.model
     dtype, why = store_dtype(args), f"asked for ({source['dtype']})"
     if dtype is None:

@@ -108,7 +108,7 @@ def cmd_info(args) -> int:
         print(json.dumps(info, indent=1))
         return 0
     for k in ("path", "model", "fingerprint", "states", "blocks", "block_tokens", "prefill_tokens", "codec", "kv_dtype",
-              "attention", "encoding"):
+              "attention", "encoding", "encryption"):
         print(f"{k:18} {info[k]}")
     for k in ("kv_bytes", "disk_bytes", "bytes_saved"):
         print(f"{k:18} {info[k]:,} ({info[k] / 2**20:.1f} MiB)")

@@ -25,7 +25,7 @@ from kvmemory.server.errors import DOCUMENTED, ApiError, from_exception, from_va
 from kvmemory.server import logs
 from kvmemory.server.jobs import Jobs
 from kvmemory.server.metrics import Metrics
-from kvmemory.server.persist import SERVE_DIR
+from kvmemory.server.persist import SERVE_DIR, store_seal
 from kvmemory.server.routes import ROUTERS
 from kvmemory.server.routes.web import OPEN as WEB_PATHS
 from kvmemory.server.schemas import ErrorResponse
@@ -70,7 +70,8 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
     without); metrics: record what /metrics serves (False: serve --no-metrics, an empty /metrics)."""
 
     root = Path(serve_dir) if serve_dir is not None else Path(mem.path) / SERVE_DIR
-    sessions = Sessions(root)
+    seal = store_seal(mem)                 # an encrypted store: the files beside it sealed by its key
+    sessions = Sessions(root, seal)
     from kvmemory.model import invariant as invariant_ops
     default = invariant_rows is None  # by dtype; invariant mode's rows are invariant already
     if default:
@@ -84,7 +85,7 @@ def create_app(mem, *, api_key: str | None = None, queue_size: int = 32, max_bod
         log.warning("batched decoding runs without invariant rows (a greedy reply may differ from the "
                     "same request served alone): %s", e)
         worker = Worker(queue_size, mem, batch, False)
-    c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix),
+    c = Context(mem=mem, worker=worker, chat=ChatService(mem, sessions), jobs=Jobs(root, job_prefix, seal),
                 sessions=sessions, max_body_bytes=max_body_bytes,
                 ask_defaults=AskOptions().but(rerank=None if ask_rerank is None else _ask_rerank(ask_rerank)),
                 dtype_reason=dtype_reason)

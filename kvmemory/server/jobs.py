@@ -15,8 +15,9 @@ from kvmemory.threads import release as release_team
 
 
 class Jobs:
-    def __init__(self, root: Path, prefix: str = "job-") -> None:
-        self.file = JsonFile(root / "jobs.json")
+    def __init__(self, root: Path, prefix: str = "job-", seal=None) -> None:
+        self.seal = seal                     # an encrypted store's: jobs and uploads sealed by its key
+        self.file = JsonFile(root / "jobs.json", seal)
         self.uploads = root / "uploads"
         self.prefix = prefix
         self.on_done = None                  # on_done(ok, tokens, seconds) after each job (the server's metrics)
@@ -35,7 +36,7 @@ class Jobs:
     def create(self, text: str, doc_id: str, source: str) -> dict:
         jid = self.prefix + uuid.uuid4().hex[:16]
         self.uploads.mkdir(parents=True, exist_ok=True)
-        JsonFile(self.uploads / f"{jid}.json").save({"text": text})
+        JsonFile(self.uploads / f"{jid}.json", self.seal).save({"text": text})
         job = {"id": jid, "doc_id": doc_id, "source": source, "status": "queued", "created": time.time(),
                "progress": {"tokens_done": 0, "tokens_total": None}, "error": None}
         self.jobs[jid] = job
@@ -44,7 +45,7 @@ class Jobs:
         return job
 
     def text(self, jid: str) -> str:
-        return JsonFile(self.uploads / f"{jid}.json").load()["text"]
+        return JsonFile(self.uploads / f"{jid}.json", self.seal).load()["text"]
 
     def pending(self, doc_id: str) -> bool:
         """True if a queued or running job deposits doc_id."""

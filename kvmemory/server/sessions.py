@@ -21,8 +21,11 @@ def session_prefix(session_id: str) -> str:
 
 
 class Sessions:
-    def __init__(self, root: Path) -> None:
-        self.file = JsonFile(root / "sessions.json")
+    def __init__(self, root: Path, seal=None) -> None:
+        self.file = JsonFile(root / "sessions.json", seal)     # an encrypted store's: sealed by its key
+        # an encrypted store's records keep no recalled text: the store's key seals this file, and a
+        # user's words are only ever sealed by the user's own key (forgetting destroys it)
+        self.keep_text = seal is None
         self.data: dict[str, dict] = self.file.load()
 
     def record(self, sid: str, state_ids: list[str], tokens: int, recalled: list[dict] | None = None,
@@ -35,7 +38,7 @@ class Sessions:
                                            "created": time.time()})
             if user is not None:
                 s["user"], s["user_key"] = user, user_key(user)
-            s["last_recall"] = recalled or []
+            s["last_recall"] = [r if self.keep_text else {**r, "text": ""} for r in recalled or []]
             s["states"] += [x for x in state_ids if x not in s["states"]]
             s["tokens"] = tokens
             s["turns"] += 1

@@ -23,7 +23,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from kvmemory import hashing
-from kvmemory.errors import StoreCorruptError, StoreError, StoreExistsError
+from kvmemory.errors import KeyDestroyedError, StoreCorruptError, StoreError, StoreExistsError, StoreKeyError
 from kvmemory.store import shards
 from kvmemory.store.cache import ShardCache
 from kvmemory.store.commit import CommitMixin
@@ -36,6 +36,29 @@ from kvmemory.store.location import locate
 from kvmemory.store.lock import writer_lock
 from kvmemory.store.log import read_manifest, read_new_records, write_header
 from kvmemory.store.manifest import LOG_DIR, MANIFEST_NAME, CommitRecord, Manifest
+from kvmemory.store.seal import Sealer
+
+
+class _SealedMeta(dict):
+    """block_meta of an encrypted store: its token ids decrypted on first use (so that what reads
+    only the chain's shape, like gc, needs no key, and a forgotten owner's rows cost nothing)."""
+
+    def __init__(self, store: "BlockStore", rows: list[int]) -> None:
+        super().__init__()
+        self._store, self._rows = store, rows
+
+    def __getitem__(self, name: str):
+        if name == "tokens" and not getattr(self, "_opened", False):
+            sealer = self._store.sealer
+            raw = dict.__getitem__(self, "tokens")
+            out = np.empty_like(raw)
+            for i, r in enumerate(self._rows):
+                bid = dict.__getitem__(self, "block_id")[i].tobytes()
+                out[i] = sealer.open_tokens(dict.__getitem__(self, "seal")[i], bid, raw[i],
+                                            f"block {bid.hex()} (row {r})")
+            dict.__setitem__(self, "tokens", out)
+            self._opened = True
+        return dict.__getitem__(self, name)
 
 
 def error_summary(encoding: str, err: np.ndarray) -> dict:
@@ -51,9 +74,10 @@ class BlockStore(CommitMixin, GcMixin):
     """The on-disk truth. Opening reads the header and the log; every block read verifies its digest."""
 
     def __init__(self, root: Path, read_only: bool = False, lock_timeout_s: float = 30.0, files=None,
-                 cache_bytes: int = 8 << 30) -> None:
+                 cache_bytes: int = 8 << 30, keys=None) -> None:
         """root: the store directory; for a store on an object store (`files` an ObjectFiles) the
-        local working directory that holds its disk cache tier and derived indexes."""
+        local working directory that holds its disk cache tier and derived indexes. keys: an
+        encrypted store's KeyProvider (kvmemory/keys.py; None: the one the environment names)."""
         self.root = Path(root)
         self.files = files if files is not None else LocalFiles(self.root)
         self.remote = bool(self.files.remote)
@@ -66,6 +90,7 @@ class BlockStore(CommitMixin, GcMixin):
         self.cache = ShardCache(self.files, self.root / "cache", cache_bytes) if self.remote else None
         self.manifest = read_manifest(self.files)
         self.encoding = encodings.get(self.manifest.encoding, self.manifest.kv_dtype)
+        self.sealer = self._sealer(keys)
         self._open_arrays()
         self._chunks: dict[int, dict[str, np.ndarray]] = {}   # metadata chunk -> arrays (committed: immutable)
         self._ids: dict[bytes, int] | None = None             # built on first row_of
@@ -76,34 +101,65 @@ class BlockStore(CommitMixin, GcMixin):
         self._lock_depth = 0
 
     # ---------------------------------------------------------------- create / open
+    def _sealer(self, keys) -> Sealer | None:
+        """An encrypted store's Sealer, its own key checked (a wrong keyring or master key is refused
+        here, before anything is read or written)."""
+        enc = self.manifest.encryption
+        if not enc:
+            if keys is not None:
+                raise StoreKeyError(f"store {self.name} is not encrypted: it takes no keys")
+            return None
+        if keys is None:
+            from kvmemory.keys import LocalKeyProvider
+            keys = LocalKeyProvider.from_env()
+        if not self.remote and keys.contains(self.root):
+            raise StoreKeyError(f"store {self.name}: its keys ({keys.describe()}) must be held apart from it, "
+                                "not inside it (a copy of the store would carry them)")
+        sealer = Sealer(enc["store"], keys, self.name)
+        sealer.check()
+        return sealer
+
     @classmethod
     def open(cls, root, read_only: bool = True, lock_timeout_s: float = 30.0, storage_options: dict | None = None,
-             work_dir=None) -> "BlockStore":
+             work_dir=None, keys=None) -> "BlockStore":
         """Open an existing store (a directory, or s3://bucket/prefix); StoreError if `root` is not one."""
         loc = locate(root, must_exist=True, storage_options=storage_options, work_dir=work_dir)
         return cls(loc.root, read_only=read_only, lock_timeout_s=lock_timeout_s,
-                   files=loc.files if loc.remote else None)
+                   files=loc.files if loc.remote else None, keys=keys)
+
+    @staticmethod
+    def _make_store_key(manifest: Manifest, keys) -> None:
+        """An encrypted store's own data key, made before its header is written."""
+        if manifest.encryption:
+            if keys is None:
+                from kvmemory.keys import LocalKeyProvider
+                keys = LocalKeyProvider.from_env()
+            Sealer(manifest.encryption["store"], keys).create()
 
     @classmethod
     def create_remote(cls, files, work_dir: Path, manifest: Manifest, lock_timeout_s: float = 30.0,
-                      cache_bytes: int = 8 << 30) -> "BlockStore":
+                      cache_bytes: int = 8 << 30, keys=None) -> "BlockStore":
         """Create a store on an object store. The arrays' metadata first, the header last with a
         create-only write: of two processes creating one store, one header lands and both open it."""
         if not files.exists(MANIFEST_NAME):
             try:
+                cls._make_store_key(manifest, keys)
                 create_arrays(files.zarr_store("data", read_only=False), manifest)
                 write_header(files, manifest)
             except StoreExistsError:
                 pass                                   # another process created it meanwhile
-        return cls(work_dir, lock_timeout_s=lock_timeout_s, files=files, cache_bytes=cache_bytes)
+        return cls(work_dir, lock_timeout_s=lock_timeout_s, files=files, cache_bytes=cache_bytes, keys=keys)
 
     @classmethod
-    def create(cls, root: Path, manifest: Manifest, lock_timeout_s: float = 30.0) -> "BlockStore":
+    def create(cls, root: Path, manifest: Manifest, lock_timeout_s: float = 30.0, keys=None) -> "BlockStore":
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         with writer_lock(root, lock_timeout_s):
             if (root / MANIFEST_NAME).exists():  # another process created it meanwhile
-                return cls(root, lock_timeout_s=lock_timeout_s)
+                return cls(root, lock_timeout_s=lock_timeout_s, keys=keys)
+            if manifest.encryption and keys is not None and keys.contains(root):
+                raise StoreKeyError(f"store {root}: its keys ({keys.describe()}) must be held apart from it")
+            cls._make_store_key(manifest, keys)
             shutil.rmtree(root / "data", ignore_errors=True)   # an earlier create that did not finish
             try:
                 create_arrays(LocalStore(root / "data"), manifest)
@@ -114,7 +170,7 @@ class BlockStore(CommitMixin, GcMixin):
             except OSError as e:
                 raise StoreError(f"cannot create store {root}: {e.strerror or e}") from None
             write_header(LocalFiles(root), manifest)  # last: the store exists once this lands
-        return cls(root, lock_timeout_s=lock_timeout_s)
+        return cls(root, lock_timeout_s=lock_timeout_s, keys=keys)
 
     def _open_arrays(self) -> None:
         try:
@@ -134,6 +190,14 @@ class BlockStore(CommitMixin, GcMixin):
         self._layout = shards.layout_of(self.files.read("data/kv/zarr.json").decode())
         self._direct = self._layout if self._layout is not None and self._layout.raw else None
         self._kv_dir = (self.cache.root if self.cache is not None else self.root) / "data" / "kv"
+
+    def owner_root(self, owner: str) -> bytes:
+        """The root of an owner's chains: salted by the owner, and in an encrypted store by a secret of
+        the owner's key too (without it no id of theirs re-derives from a guess of their words)."""
+        salt = f"kvmemory-owner:{owner}"
+        if self.sealer is None:
+            return hashing.salt_root(salt)
+        return hashing.salt_root(f"{salt}:{self.sealer.owner_salt(owner, create=not self.read_only)}")
 
     # ---------------------------------------------------------------- queries
     @property
@@ -205,13 +269,13 @@ class BlockStore(CommitMixin, GcMixin):
                 for c in range(c0, c1):
                     self._chunks[c] = {name: a[(c - c0) * S:(c - c0 + 1) * S] for name, a in parts.items()}
             chunks = self._chunks
-        out = {}
+        out = {} if self.sealer is None else _SealedMeta(self, rows)
         for name in meta_arrays(self.manifest):
             a = self._arr[name]
             buf = np.empty((len(rows), *a.shape[1:]), a.dtype)
             for i, r in enumerate(rows):
                 buf[i] = chunks[r // S][name][r % S]
-            out[name] = buf
+            dict.__setitem__(out, name, buf)
         return out
 
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -269,13 +333,30 @@ class BlockStore(CommitMixin, GcMixin):
                 if verify:                       # inside: a damaged disk-tier copy is fetched again
                     self._check_digests(rows, kv, meta)
             self._cached_read(rows, read)
-            return kv, meta["n_tokens"]
         else:
             parts = [self._read("kv", start, stop) for start, stop in runs(rows)]
             kv = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if verify:
-            self._check_digests(rows, kv, meta)
+            if verify:
+                self._check_digests(rows, kv, meta)
+        if self.sealer is not None:       # digests checked on the ciphertext: now the GCM tags
+            self._open_blocks(rows, kv, meta)
         return kv, meta["n_tokens"]
+
+    def _open_blocks(self, rows: list[int], kv: np.ndarray, meta: dict) -> None:
+        """Decrypt blocks in place (two threads: AES-GCM lets go of the GIL)."""
+        sealer = self.sealer
+        assert sealer is not None
+
+        def one(i: int) -> None:
+            bid = meta["block_id"][i].tobytes()
+            sealer.open_kv(meta["seal"][i], bid, kv[i], f"block {bid.hex()} (row {rows[i]})")
+        if len(rows) < 2:
+            for i in range(len(rows)):
+                one(i)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(one, range(len(rows))))
 
     def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:
         """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words
@@ -286,7 +367,8 @@ class BlockStore(CommitMixin, GcMixin):
         n = [int(x) for x in meta["n_tokens"]]
         shape = self._arr["kv"].shape
         want = (shape[1], shape[2], shape[3], sum(n), shape[5])
-        if self._direct is None:      # compressed chunks: zarr decodes, then one concatenation
+        if self._direct is None or self.sealer is not None:
+            # compressed chunks (zarr decodes) or sealed blocks (decrypted whole): then one concatenation
             res = np.zeros(want, dtype=self._arr["kv"].dtype)
             if rows:
                 kv, _ = self._read_stored(rows)
@@ -365,11 +447,15 @@ class BlockStore(CommitMixin, GcMixin):
                     if parent >= row or (parent >= 0 and not self.is_committed(parent)):
                         raise StoreCorruptError(f"block (row {row}): its parent row {parent} is not an earlier "
                                                 "committed block")
+                except KeyDestroyedError:
+                    continue              # a forgotten owner's block: unreadable by design until gc
                 except StoreCorruptError as e:
                     bad.append((row, str(e)))
                     continue
                 try:
                     self.read_kv([row])
+                except KeyDestroyedError:
+                    continue              # a forgotten owner's block: unreadable by design until gc
                 except StoreCorruptError as e:
                     bad.append((row, str(e)))
             if progress is not None:

@@ -28,6 +28,7 @@ from kvmemory.store.layout import INDEX_DIR, arrays, block_digest, chunk_keys
 from kvmemory.store.lock import writer_lock
 from kvmemory.store.log import write_record, write_snapshot
 from kvmemory.store.manifest import LOG_DIR, SNAPSHOT_EVERY, CommitRecord, DocEntry, Manifest, StateEntry
+from kvmemory.store.seal import SEAL_BYTES
 from kvmemory.store.s3 import CLAIMS_DIR
 
 TRACE_ENV = "KVMEMORY_TRACE_COMMITS"      # a file to append "begin/end <time>" of each commit to
@@ -48,6 +49,7 @@ class NewBlock:
     kv: np.ndarray
     root: bytes = hashing.ROOT_PARENT   # parent id of a chain's first block (parent_row -1): a salted root
     error: tuple[float, float, float] | None = None   # a compact store's: the block's measured error
+    owner: str | None = None            # an encrypted store seals it with this owner's key (None: the store's)
 
 
 @dataclass
@@ -211,11 +213,12 @@ class CommitMixin:
         self._after_records([rec])
 
     def plan_chain(self, chain: Sequence[bytes], tokens: Sequence[int], start: int, parent_row: int,
-                   kv_of: Callable[[int], np.ndarray], root: bytes = hashing.ROOT_PARENT
-                   ) -> tuple[list[NewBlock], list[int]]:
+                   kv_of: Callable[[int], np.ndarray], root: bytes = hashing.ROOT_PARENT,
+                   owner: str | None = None) -> tuple[list[NewBlock], list[int]]:
         """The one chain builder: blocks chain[i] (tokens[i*C:(i+1)*C] at positions start + i*C ..)
         that the store lacks become NewBlocks (kv_of(i): storage words), rows from next_row on.
         root: the parent id of chain[0] where it begins a chain (parent_row -1; a salted chain's root).
+        owner: whose key seals the new blocks in an encrypted store.
         Returns (new blocks, the row of every block of the chain)."""
         if root != hashing.ROOT_PARENT and parent_row != -1:
             raise ValueError("only a chain's first block (parent_row -1) has a root")
@@ -228,7 +231,7 @@ class CommitMixin:
                 row = self.next_row + len(new)
                 toks = np.asarray(tokens[i * C:(i + 1) * C])
                 new.append(NewBlock(bid, parent_row, toks, np.arange(start + i * C, start + i * C + len(toks)),
-                                    kv_of(i), root if parent_row == -1 else hashing.ROOT_PARENT))
+                                    kv_of(i), root if parent_row == -1 else hashing.ROOT_PARENT, owner=owner))
             rows.append(row)
             parent_row = row
         return new, rows
@@ -253,6 +256,7 @@ class CommitMixin:
         positions = np.full((k, C), -1, np.int32)
         digests = np.zeros((k, hashing.ID_BYTES), np.uint8)
         errors = np.full((k, 3), np.nan, np.float32)
+        seals = np.zeros((k, SEAL_BYTES), np.uint8)
         for i, b in enumerate(blocks):
             n = len(b.tokens)
             if b.kv.shape != (*kv.shape[1:4], n, kv.shape[5]) or b.kv.dtype != kv.dtype:
@@ -261,6 +265,8 @@ class CommitMixin:
             kv[i, :, :, :, :n] = b.kv
             tokens[i, :n] = b.tokens
             positions[i, :n] = b.positions
+            if self.sealer is not None:       # sealed by the owner's key; E1's digest is of the ciphertext
+                seals[i] = self.sealer.seal_block(b.owner, b.block_id, kv[i], tokens[i])
             digests[i] = np.frombuffer(block_digest(kv[i], n), np.uint8)
             if b.error is not None:
                 errors[i] = b.error
@@ -279,6 +285,8 @@ class CommitMixin:
                 arrs["digest"][sl] = digests
                 if "error" in arrs:
                     arrs["error"][sl] = errors
+                if "seal" in arrs:
+                    arrs["seal"][sl] = seals
             self.files.sync(files, "data")
         except Exception as e:
             for f in files:

@@ -24,6 +24,7 @@ def describe(store: BlockStore, with_states: bool = False) -> dict:
            "codec": m.codec, "kv_dtype": m.kv_dtype, "stored_tokens": tokens, "kv_bytes": tokens * per_token,
            "disk_bytes": disk, "compression_ratio": (tokens * per_token / disk) if disk else 1.0,
            "commit": m.commit, "kernels": m.model.get("kernels", "default"), "encoding": m.encoding,
+           "encryption": m.encryption["cipher"] if m.encryption else "none",
            # the dtype attention computes in: a half-precision model's on CPU in float32 (kvmemory/model/half.py)
            "attention": "float32" if m.model.get("attention") else m.kv_dtype,
            # what its encoding saves: the blocks' KV words held exact, less as they are held (0 when exact)

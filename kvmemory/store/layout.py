@@ -13,6 +13,8 @@ Layout of a store directory:
       digest    [R, 16] uint8  xxh3-128 of the block's valid KV bytes (as stored: encoded)
       error     [R, 3] float32 a compact store's only (not exact): each block's measured error
                                (kvmemory/store/encoding.py ERROR_FIELDS, kvmemory/compact.py)
+      seal      [R, 72] uint8  an encrypted store's only: each block's key, nonces and GCM tags
+                               (kvmemory/store/seal.py; kv and tokens then hold ciphertext)
     index/                   selection indexes (derived data)
     .lock                    writer lock
 
@@ -38,16 +40,19 @@ import zarr.codecs
 from kvmemory import hashing
 from kvmemory.store.encoding import get as get_encoding
 from kvmemory.store.manifest import Manifest
+from kvmemory.store.seal import SEAL_BYTES
 
 ROW_CAPACITY = 1 << 32
 META_ARRAYS = ("tokens", "positions", "parent", "n_tokens", "block_id", "digest")
 ARRAYS = ("kv", *META_ARRAYS)
-NDIM = {"kv": 6, "tokens": 2, "positions": 2, "parent": 1, "n_tokens": 1, "block_id": 2, "digest": 2, "error": 2}
+NDIM = {"kv": 6, "tokens": 2, "positions": 2, "parent": 1, "n_tokens": 1, "block_id": 2, "digest": 2, "error": 2,
+        "seal": 2}
 
 
 def meta_arrays(m: Manifest) -> tuple[str, ...]:
-    """The block metadata arrays of a store: a store that is not exact also keeps each block's error."""
-    return META_ARRAYS + (("error",) if m.encoding != "exact" else ())
+    """The block metadata arrays of a store: a store that is not exact also keeps each block's error,
+    an encrypted one each block's seal."""
+    return META_ARRAYS + (("error",) if m.encoding != "exact" else ()) + (("seal",) if m.encryption else ())
 
 
 def arrays(m: Manifest) -> tuple[str, ...]:
@@ -80,6 +85,9 @@ def create_arrays(zstore, m: Manifest) -> None:
     ):
         g.create_array(name, shape=(ROW_CAPACITY, *shape), dtype=dtype, chunks=(S, *shape),
                        compressors=meta_codec, fill_value=fill)
+    if m.encryption:
+        g.create_array("seal", shape=(ROW_CAPACITY, SEAL_BYTES), dtype="uint8", chunks=(S, SEAL_BYTES),
+                       compressors=meta_codec, fill_value=0)
     if m.encoding != "exact":
         g.create_array("error", shape=(ROW_CAPACITY, 3), dtype="float32", chunks=(S, 3),
                        compressors=meta_codec, fill_value=float("nan"))

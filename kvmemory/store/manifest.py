@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from kvmemory.errors import StoreCorruptError
 from kvmemory.hashing import ROOT_PARENT
 
 ENCODINGS = ("exact", "bf16", "fp16")   # kvmemory/store/encoding.py (this module stays free of numpy)
+CIPHER = "AES-256-GCM"                  # of an encrypted store (kvmemory/store/seal.py)
 
 FORMAT = "kvmemory-store"
 FORMAT_VERSION = 2
@@ -122,6 +124,7 @@ class Manifest:
     kv_dtype: str                  # torch dtype name of the KV ("float32", "bfloat16", ...)
     encoding: str = "exact"        # how the KV words are held (kvmemory/store/encoding.py)
     prefill_tokens: int = 0        # the canonical prefill's chunk (kvmemory/kv.py); 0: block_tokens
+    encryption: dict | None = None  # an encrypted store's {"cipher", "store": its id} (kvmemory/store/seal.py)
     commit: int = 0
     states: dict[str, StateEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
@@ -189,7 +192,8 @@ class Manifest:
         # an exact store's header is what it always was; another encoding is named
         return {k: getattr(self, k) for k in HEADER_FIELDS} | \
             ({"encoding": self.encoding} if self.encoding != "exact" else {}) | \
-            ({"prefill_tokens": self.prefill_tokens} if self.prefill_tokens not in (0, self.block_tokens) else {})
+            ({"prefill_tokens": self.prefill_tokens} if self.prefill_tokens not in (0, self.block_tokens) else {}) | \
+            ({"encryption": self.encryption} if self.encryption else {})
 
     @property
     def chunk_tokens(self) -> int:
@@ -285,7 +289,11 @@ class Manifest:
             if not isinstance(q, int) or q < 0 or (q and raw["block_tokens"] % q):
                 raise StoreCorruptError(f"{where} has prefill_tokens {q!r}, not a divisor of block_tokens "
                                         f"{raw['block_tokens']}")
-            return cls(**{k: raw[k] for k in HEADER_FIELDS}, encoding=encoding, prefill_tokens=q)
+            enc = raw.get("encryption")
+            if enc is not None and (not isinstance(enc, dict) or enc.get("cipher") != CIPHER or
+                                    not isinstance(enc.get("store"), str) or not re.fullmatch(r"[0-9a-f]{32}", enc["store"])):
+                raise StoreCorruptError(f"{where} names an encryption this kvmemory does not read: {enc!r}")
+            return cls(**{k: raw[k] for k in HEADER_FIELDS}, encoding=encoding, prefill_tokens=q, encryption=enc)
         except StoreCorruptError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:

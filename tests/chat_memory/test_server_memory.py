@@ -14,10 +14,12 @@ import kvmemory  # noqa: E402
 from tests.server.test_server import _free_port, _spawn_server, _start  # noqa: E402
 
 
-@pytest.fixture
-def served(tmp_path, tiny):
+@pytest.fixture(params=[False, True], ids=["plain", "encrypted"])
+def served(request, tmp_path, tiny):
     from kvmemory.server import create_app
-    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
+    from tests.store.test_encryption import provider
+    keys = provider(tmp_path / "keyring") if request.param else None
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny, encrypt=request.param, keys=keys)
     srv, t, url = _start(create_app(mem, queue_size=4))
     yield url, mem
     srv.should_exit = True
@@ -67,11 +69,18 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     # forgetting the user: nothing is recalled, listed, or kept as a state
     out = httpx.delete(url + "/v1/users/alice").json()
     assert out["deleted"] and out["turns"] >= 3
+    sealer = mem.store.sealer                    # encrypted: forgetting alice destroyed her data key
+    assert sealer is None or sealer.destroyed(mem.chat_memory("alice").key)
     assert httpx.get(url + "/v1/users/alice/memory").json()["sessions"] == []
     assert not [s for s in mem.states() if "chat:" + mem.chat_memory("alice").key in s.label]
     last = ask(client, "alice", "s6", "What is my locker code at the harbour gym?")
     assert last.model_extra["kvmemory"]["recalled"] == []
     assert httpx.get(url + "/v1/users/bob/memory").json()["turns"] == 2     # bob's memory untouched
+    # encrypted: no file beside or in the store holds the code told (as a word: in text, BM25 terms,
+    # the server's session records); in a plain store they do
+    from tests.store.test_encryption import files_of, scan
+    found = scan([p.read_bytes() for p in files_of(mem.path)], {"word": b"4417"})
+    assert found == (set() if sealer is not None else {"word"})
 
 
 def test_a_users_memory_survives_a_sigkill(tmp_path, tiny_dir):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "compact", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve"]
+SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "compact", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve",
+               "keys"]
 
 
 def run(*args, stdin=None, timeout=600):
