@@ -354,9 +354,7 @@ class BlockStore(CommitMixin, GcMixin):
             for i in range(len(rows)):
                 one(i)
             return
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(one, range(len(rows))))
+        list(shards.READERS.map(one, range(len(rows))))
 
     def read_state_kv(self, rows: Sequence[int]) -> np.ndarray:
         """Blocks of a chain concatenated along tokens, digest-checked: [L, 2, H, T, D] storage words
@@ -367,8 +365,20 @@ class BlockStore(CommitMixin, GcMixin):
         n = [int(x) for x in meta["n_tokens"]]
         shape = self._arr["kv"].shape
         want = (shape[1], shape[2], shape[3], sum(n), shape[5])
+        if self._direct is not None and self.sealer is not None:
+            res = shards.host_buffer(want, self._arr["kv"].dtype)
+            sealer = self.sealer
+
+            def open_block(i: int, block: np.ndarray) -> np.ndarray:
+                bid = meta["block_id"][i]
+                self._check_digest(rows[i], block, n[i], meta["digest"][i], bid)     # the ciphertext's
+                return sealer.open_kv_view(meta["seal"][i], bid.tobytes(), block,
+                                           f"block {bid.tobytes().hex()} (row {rows[i]})")
+            self._cached_read(rows, lambda: shards.read_state_sealed(
+                self._kv_dir, rows, n, res, self._direct.per_shard, tuple(shape[1:]), open_block))
+            return res
         if self._direct is None or self.sealer is not None:
-            # compressed chunks (zarr decodes) or sealed blocks (decrypted whole): then one concatenation
+            # compressed chunks (zarr decodes; sealed ones decrypted whole): then one concatenation
             res = np.zeros(want, dtype=self._arr["kv"].dtype)
             if rows:
                 kv, _ = self._read_stored(rows)

@@ -109,39 +109,51 @@ class Sealer:
     def seal_block(self, owner: str | None, block_id: bytes, kv: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Encrypt one block's kv [L, 2, H, C, D] and tokens [C] in place; returns its seal row."""
         tag = owner_tag(owner)
-        key, aes = self._key(tag, create=True)
+        key, _ = self._key(tag, create=True)
         row = np.zeros(SEAL_BYTES, np.uint8)
         row[0:8] = np.frombuffer(tag, np.uint8)
         row[8:16] = np.frombuffer(key_fingerprint(key), np.uint8)
         for arr, at, what in ((kv, 16, b"kv"), (tokens, 44, b"tokens")):
             nonce = os.urandom(NONCE)
-            ct = aes.encrypt(nonce, arr.tobytes(), block_id + what)       # type: ignore[attr-defined]
-            arr[...] = np.frombuffer(ct[:-TAG], arr.dtype).reshape(arr.shape)
+            gtag = _gcm(key, nonce, block_id + what, arr, None)
             row[at:at + NONCE] = np.frombuffer(nonce, np.uint8)
-            row[at + NONCE:at + NONCE + TAG] = np.frombuffer(ct[-TAG:], np.uint8)
+            row[at + NONCE:at + NONCE + TAG] = np.frombuffer(gtag, np.uint8)
         return row
 
-    def _open(self, row: np.ndarray, block_id: bytes, arr: np.ndarray, at: int, what: bytes, where: str) -> np.ndarray:
+    def _open(self, row: np.ndarray, block_id: bytes, arr: np.ndarray, at: int, what: bytes, where: str,
+              in_place: bool = True) -> np.ndarray | None:
+        """Decrypt arr in place (left as it was if its tag does not verify), or (in_place False) into
+        this thread's buffer: returns its view there."""
         from cryptography.exceptions import InvalidTag
         tag, fp = row[0:8].tobytes(), row[8:16].tobytes()
-        key, aes = self._key(tag, what=where)
+        key, _ = self._key(tag, what=where)
         if key_fingerprint(key) != fp:
             raise KeyDestroyedError(f"store {self.store_name}: {where} was sealed by an earlier key of its owner, "
                                     "destroyed when the owner was forgotten: it can never be read again")
         nonce, gtag = row[at:at + NONCE].tobytes(), row[at + NONCE:at + NONCE + TAG].tobytes()
         try:
-            plain = aes.decrypt(nonce, np.ascontiguousarray(arr).tobytes() + gtag, block_id + what)  # type: ignore[attr-defined]
+            if not in_place:
+                return _gcm_out(key, nonce, block_id + what, arr, gtag)[0].view(arr.dtype).reshape(arr.shape)
+            _gcm(key, nonce, block_id + what, arr, gtag)
+            return None
         except InvalidTag:
             raise StoreCorruptError(f"store {self.store_name}: {where} failed its authentication tag (damaged "
                                     "ciphertext or seal)") from None
-        return np.frombuffer(plain, arr.dtype).reshape(arr.shape)
 
     def open_kv(self, row: np.ndarray, block_id: bytes, kv: np.ndarray, where: str) -> None:
         """Decrypt one block's kv in place (its digest already checked on the ciphertext)."""
-        kv[...] = self._open(row, block_id, kv, 16, b"kv", where)
+        self._open(row, block_id, kv, 16, b"kv", where)
+
+    def open_kv_view(self, row: np.ndarray, block_id: bytes, kv: np.ndarray, where: str) -> np.ndarray:
+        """One block's plaintext kv in this thread's buffer (valid until its next seal or open here)."""
+        out = self._open(row, block_id, kv, 16, b"kv", where, in_place=False)
+        assert out is not None
+        return out
 
     def open_tokens(self, row: np.ndarray, block_id: bytes, tokens: np.ndarray, where: str) -> np.ndarray:
-        return self._open(row, block_id, tokens, 44, b"tokens", where)
+        out = np.array(tokens, copy=True)
+        self._open(row, block_id, out, 44, b"tokens", where)
+        return out
 
     # ---------------------------------------------------------------- files
     def seal_bytes(self, owner: str | None, data: bytes, aad: bytes) -> bytes:
@@ -165,6 +177,37 @@ class Sealer:
             return aes.decrypt(nonce, data[m + 16 + NONCE:], aad)      # type: ignore[attr-defined]
         except InvalidTag:
             raise StoreCorruptError(f"{where} failed its authentication tag") from None
+
+
+_scratch = threading.local()
+
+
+def _gcm_out(key: bytes, nonce: bytes, aad: bytes, arr: np.ndarray, tag: bytes | None) -> tuple[np.ndarray, bytes]:
+    """AES-256-GCM of a contiguous array into this thread's buffer: encrypt (tag None) or decrypt and
+    verify `tag` (InvalidTag if it does not). Returns (the output bytes: a view of the buffer, valid
+    until this thread's next call; the tag of an encryption). One pass, no other copy: ~10x the
+    speed of AESGCM.decrypt on a 6 MB block, whose ciphertext and tag must be joined first."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    if not arr.flags.c_contiguous:
+        raise ValueError("sealing needs a contiguous array")
+    flat = arr.reshape(-1).view(np.uint8)
+    n = flat.nbytes
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < n + 15:
+        buf = _scratch.buf = bytearray(n + 15)
+    cipher = Cipher(algorithms.AES(key), modes.GCM(nonce, tag) if tag is not None else modes.GCM(nonce))
+    op = cipher.decryptor() if tag is not None else cipher.encryptor()
+    op.authenticate_additional_data(aad)
+    op.update_into(memoryview(flat), buf)
+    op.finalize()                                  # a decryption's tag is checked here, before any byte is used
+    return np.frombuffer(buf, np.uint8, count=n), (b"" if tag is not None else op.tag)  # type: ignore[attr-defined]
+
+
+def _gcm(key: bytes, nonce: bytes, aad: bytes, arr: np.ndarray, tag: bytes | None) -> bytes:
+    """_gcm_out, the result written over arr (left as it was if a decryption's tag does not verify)."""
+    out, t = _gcm_out(key, nonce, aad, arr, tag)
+    arr.reshape(-1).view(np.uint8)[:] = out
+    return t
 
 
 class FileSeal:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvmemory.errors import StoreCorruptError
 
 _MISSING = 2**64 - 1
 _READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvmemory-read")
+READERS = _READERS                 # also what decrypts an encrypted store's blocks (AES-GCM lets go of the GIL)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,41 @@ def read_blocks(array_dir: Path, rows: list[int], out: np.ndarray, blocks_per_sh
     ndim = out.ndim - 1
     jobs = [_READERS.submit(_read_shard, array_dir / "c" / str(s) / "/".join(["0"] * ndim), s, idx, rows, out,
                             blocks_per_shard) for s, idx in by_shard.items()]
+    for j in jobs:
+        j.result()
+
+
+_LOCAL = threading.local()
+
+
+def _block_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """This thread's buffer of one block (reused: a fresh 6 MB array a block costs its page faults)."""
+    need = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = getattr(_LOCAL, "block", None)
+    if buf is None or buf.nbytes < need:
+        buf = _LOCAL.block = np.empty(need, np.uint8)
+    return buf[:need].view(dtype).reshape(shape)
+
+
+def read_state_sealed(array_dir: Path, rows: list[int], n_tokens: list[int], out: np.ndarray,
+                      blocks_per_shard: int, block_shape: tuple[int, ...], open_block) -> None:
+    """read_state for an encrypted store: each block is read whole (its ciphertext: the GCM tag covers
+    the padding too), then open_block(i, block) checks its digest, decrypts it and returns its
+    plaintext [L, 2, H, C, D], whose first n tokens are copied to their place in out. One job per
+    shard file, as read_state: reading one block overlaps decrypting another."""
+    starts = np.concatenate([[0], np.cumsum(n_tokens)]).astype(int)
+    by_shard: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_shard.setdefault(r // blocks_per_shard, []).append(i)
+
+    def shard_job(shard: int, idx: list[int]) -> None:
+        path = array_dir / "c" / str(shard) / "/".join(["0"] * len(block_shape))
+        for i in sorted(idx, key=lambda i: rows[i]):
+            buf = _block_buffer((1, *block_shape), out.dtype)
+            _read_shard(path, shard, [0], [rows[i]], buf, blocks_per_shard)
+            t0, n = int(starts[i]), int(n_tokens[i])
+            out[:, :, :, t0:t0 + n] = open_block(i, buf[0])[:, :, :, :n]
+    jobs = [_READERS.submit(shard_job, s, idx) for s, idx in by_shard.items()]
     for j in jobs:
         j.result()
 
