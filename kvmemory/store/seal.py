@@ -195,12 +195,18 @@ def _gcm_out(key: bytes, nonce: bytes, aad: bytes, arr: np.ndarray, tag: bytes |
     buf = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < n + 15:
         buf = _scratch.buf = bytearray(n + 15)
-    cipher = Cipher(algorithms.AES(key), modes.GCM(nonce, tag) if tag is not None else modes.GCM(nonce))
-    op = cipher.decryptor() if tag is not None else cipher.encryptor()
-    op.authenticate_additional_data(aad)
-    op.update_into(memoryview(flat), buf)
-    op.finalize()                                  # a decryption's tag is checked here, before any byte is used
-    return np.frombuffer(buf, np.uint8, count=n), (b"" if tag is not None else op.tag)  # type: ignore[attr-defined]
+    out = np.frombuffer(buf, np.uint8, count=n)
+    if tag is not None:
+        dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+        dec.authenticate_additional_data(aad)
+        dec.update_into(flat.data, buf)
+        dec.finalize()                             # the tag is checked here, before any byte is used
+        return out, b""
+    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(aad)
+    enc.update_into(flat.data, buf)
+    enc.finalize()
+    return out, enc.tag
 
 
 def _gcm(key: bytes, nonce: bytes, aad: bytes, arr: np.ndarray, tag: bytes | None) -> bytes:
