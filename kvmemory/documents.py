@@ -32,6 +32,7 @@ from kvmemory.store.manifest import DocEntry
 from kvmemory.store.seal import FileSeal
 from kvmemory.prelude import USER_DOCS, Prelude, PromptLayout, Scope
 from kvmemory.runtime import Runtime
+from kvmemory.states import state_id_of
 from kvmemory.text import check_doc_id, decode_text, read_files, text_ids, valid_id
 
 __all__ = ["SEGMENT_BLOCKS", "USER_DOCS", "DocInfo", "Documents", "Prelude", "PromptLayout", "Scope",
@@ -294,7 +295,7 @@ class Documents:
         rt, owner = self.rt, self.scope.owner
         root = hashing.ROOT_PARENT if owner is None else rt.store().owner_root(owner)
         last = hashing.chain_ids(rt.fingerprint, self.prelude.ids, rt.block_tokens, parent=root)[-1]
-        sid = last.hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{last.hex()}".encode())
+        sid = state_id_of(last, owner)
         if self._prelude is None or self._prelude.id != sid:
             rt.store().refresh()
             if sid in rt.store().manifest.states:

@@ -84,6 +84,12 @@ def token_ids(tokenizer, vocab: int, text_or_ids) -> list[int]:
     return ids
 
 
+def state_id_of(last_block: bytes, owner: str | None) -> str:
+    """A state's id: its last block's id, or for an owner's state that id keyed by the owner (an entry
+    of the owner's own, never another's)."""
+    return last_block.hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{last_block.hex()}".encode())
+
+
 class States:
     """The states of one store, computed with one model. require_store() -> the open BlockStore."""
 
@@ -137,7 +143,7 @@ class States:
             for p, block_kv, _ in kvops.prefill_blocks(self.model, ids[pos:], C, cache, pos, Q):
                 computed[p // C] = to_host(block_kv)
         # an owner's state is an entry of its own (its id keyed by the owner), never another's
-        state_id = chain[-1].hex() if owner is None else xxhash.xxh3_128_hexdigest(f"{owner}:{chain[-1].hex()}".encode())
+        state_id = state_id_of(chain[-1], owner)
 
         def kv_of(i: int):
             return kvops.to_storage(computed[i] if i in computed else prefix[:, :, :, i * C:(i + 1) * C])

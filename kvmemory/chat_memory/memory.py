@@ -45,10 +45,6 @@ def drop_forgotten_users(store, path) -> list[str]:
     """Remove the index files of users with no turns left in the store (a forget that a crash
     interrupted leaves them behind). Needs no model: `kvmemory gc` calls it too. Returns the
     user keys removed."""
-    import shutil
-    from pathlib import Path
-
-    from kvmemory.documents import USER_DOCS
     finish_forgets(store, path)
     users = Path(path) / USERS_DIR
     if not users.is_dir():

@@ -41,7 +41,7 @@ from kvmemory.store.seal import Sealer
 
 class _SealedMeta(dict):
     """block_meta of an encrypted store: its token ids decrypted on first use (so that what reads
-    only the chain's shape, like gc, needs no key, and a forgotten owner's rows cost nothing)."""
+    only the chain's shape, like gc, never decrypts, and a forgotten owner's rows cost it nothing)."""
 
     def __init__(self, store: "BlockStore", rows: list[int]) -> None:
         super().__init__()
@@ -343,7 +343,7 @@ class BlockStore(CommitMixin, GcMixin):
         return kv, meta["n_tokens"]
 
     def _open_blocks(self, rows: list[int], kv: np.ndarray, meta: dict) -> None:
-        """Decrypt blocks in place (two threads: AES-GCM lets go of the GIL)."""
+        """Decrypt blocks in place, on the reader threads (AES-GCM lets go of the GIL)."""
         sealer = self.sealer
         assert sealer is not None
 
@@ -377,8 +377,8 @@ class BlockStore(CommitMixin, GcMixin):
             self._cached_read(rows, lambda: shards.read_state_sealed(
                 self._kv_dir, rows, n, res, self._direct.per_shard, tuple(shape[1:]), open_block))
             return res
-        if self._direct is None or self.sealer is not None:
-            # compressed chunks (zarr decodes; sealed ones decrypted whole): then one concatenation
+        if self._direct is None:      # compressed chunks: zarr decodes (and a sealed block is decrypted whole),
+            # then one concatenation
             res = np.zeros(want, dtype=self._arr["kv"].dtype)
             if rows:
                 kv, _ = self._read_stored(rows)
