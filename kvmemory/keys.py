@@ -23,7 +23,6 @@ last); the data is not touched. An interrupted rotation is finished by running i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from kvmemory.errors import InputError, StoreKeyError, WrongKeyError
 from kvmemory.store.durable import fsync_dir, replace_file, unlink
+from kvmemory.store.seal import key_fingerprint
 
 MASTER_ENV = "KVMEMORY_MASTER_KEY"            # the master key: 64 hex digits
 MASTER_FILE_ENV = "KVMEMORY_MASTER_KEY_FILE"  # or a file holding them
@@ -60,8 +60,9 @@ def parse_master_key(text: str, where: str) -> bytes:
 
 
 def key_id(key: bytes) -> str:
-    """A key's public id (hex): says which key wrapped or sealed something, reveals nothing of it."""
-    return hashlib.blake2b(key, digest_size=8, person=b"kvmemory-keyid").hexdigest()
+    """A key's public id (hex): says which key wrapped or sealed something, reveals nothing of it
+    (the id a sealed block records, kvmemory/store/seal.py)."""
+    return key_fingerprint(key).hex()
 
 
 class KeyProvider(ABC):
@@ -182,9 +183,7 @@ class LocalKeyProvider(KeyProvider):
                                 "(damaged, or made by another keyring)") from None
 
     def _wrap(self, name: str, key: bytes) -> bytes:
-        nonce = os.urandom(12)
-        return json.dumps({"master": self.master_id, "nonce": nonce.hex(),
-                           "key": self._aes.encrypt(nonce, key, name.encode()).hex()}).encode()
+        return _wrap(self._aes, self.master_id, name, key)
 
     def get(self, name: str) -> bytes | None:
         try:
@@ -239,16 +238,22 @@ class LocalKeyProvider(KeyProvider):
     def rotate(self, new_master: bytes) -> int:
         """Re-wrap every data key with `new_master`; master.json names it last. Keys already wrapped
         by it (an earlier rotation cut short) are skipped. Returns the keys re-wrapped."""
-        new = LocalKeyProvider.__new__(LocalKeyProvider)
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        new.root, new._aes, new.master_id = self.root, AESGCM(new_master), key_id(new_master)
+        aes, master_id = AESGCM(new_master), key_id(new_master)
         done = 0
         for name in self.names():
-            rec = json.loads(self._path(name).read_bytes())
-            if rec.get("master") == new.master_id:
+            raw = self._path(name).read_bytes()
+            if json.loads(raw).get("master") == master_id:
                 continue
-            replace_file(self._path(name), new._wrap(name, self._unwrap(name, json.dumps(rec).encode())))
+            replace_file(self._path(name), _wrap(aes, master_id, name, self._unwrap(name, raw)))
             done += 1
-        replace_file(self.root / "master.json", json.dumps({"master": new.master_id}).encode())
-        self._aes, self.master_id = new._aes, new.master_id
+        replace_file(self.root / "master.json", json.dumps({"master": master_id}).encode())
+        self._aes, self.master_id = aes, master_id
         return done
+
+
+def _wrap(aes, master_id: str, name: str, key: bytes) -> bytes:
+    """A key file's bytes: `key` wrapped by the master key (`aes`, an AESGCM of it), its name as AAD."""
+    nonce = os.urandom(12)
+    return json.dumps({"master": master_id, "nonce": nonce.hex(),
+                       "key": aes.encrypt(nonce, key, name.encode()).hex()}).encode()

@@ -60,6 +60,15 @@ def drop_forgotten_users(store, path) -> list[str]:
     return removed
 
 
+CHAT_LABEL = "kvmemory:chat:"             # + user key + ":" + session key: a user's conversation states
+MEMORY_LABEL = "kvmemory:chat-memory:"    # + user key: the user's chat-memory prelude
+
+
+def users_state(label: str, key: str) -> bool:
+    """Whether a state's label makes it the user's (a conversation of theirs, or their prelude)."""
+    return label.startswith(f"{CHAT_LABEL}{key}:") or label == f"{MEMORY_LABEL}{key}"
+
+
 def finish_forgets(store, path) -> list[str]:
     """An encrypted store: forget the users whose data key was destroyed (a forget a crash cut short
     after its commit point): their turns and states leave the manifest in one commit, their index
@@ -70,18 +79,14 @@ def finish_forgets(store, path) -> list[str]:
     store.refresh()
     m = store.manifest
     keys = {d[len(USER_DOCS):].split(":", 1)[0] for d in m.docs if d.startswith(USER_DOCS)}
-    keys |= {e.label.split(":")[2] for e in m.states.values() if e.label.startswith(("kvmemory:chat:",
-                                                                                      "kvmemory:chat-memory:"))}
+    keys |= {e.label.split(":")[2] for e in m.states.values() if e.label.startswith((CHAT_LABEL, MEMORY_LABEL))}
     gone = sorted(k for k in keys if k and store.sealer.destroyed(k))
     if not gone:
         return []
 
-    def mine(k: str, label: str) -> bool:
-        return label.startswith(f"kvmemory:chat:{k}:") or label == f"kvmemory:chat-memory:{k}"
-
     def build(s):
         docs = tuple(d for d in s.manifest.docs if any(d.startswith(f"{USER_DOCS}{k}:") for k in gone))
-        states = tuple(sid for sid, e in s.manifest.states.items() if any(mine(k, e.label) for k in gone))
+        states = tuple(sid for sid, e in s.manifest.states.items() if any(users_state(e.label, k) for k in gone))
         return Change(removed_docs=docs, removed_states=states)
     store.commit(build)
     with store.write_lock():
@@ -177,7 +182,7 @@ class ChatMemory:
         self.recompute = (RECOMPUTE if supported(rt.model) is None else 0.0) if recompute is None else recompute
         check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
-                           label=f"kvmemory:chat-memory:{self.key}", head=head, owner=self.key)
+                           label=f"{MEMORY_LABEL}{self.key}", head=head, owner=self.key)
 
     @property
     def docs(self):
@@ -278,7 +283,7 @@ class ChatMemory:
 
     def state_label(self, session: str | None) -> str:
         """The label of the states a chat of this user saves (its conversations): forget finds them by it."""
-        return f"kvmemory:chat:{self.key}:{session_key(session or '')}"
+        return f"{CHAT_LABEL}{self.key}:{session_key(session or '')}"
 
     # ------------------------------------------------------------------ forgetting
     def forget(self, session: str | None = None) -> "Forgotten":
@@ -295,10 +300,8 @@ class ChatMemory:
         store.refresh()
         want = self.prefix if session is None else f"{self.prefix}{session_key(session)}:"
         ids = [d for d in store.manifest.docs if d.startswith(want)]
-        label = f"kvmemory:chat:{self.key}:" if session is None else self.state_label(session)
         states = [s for s, e in store.manifest.states.items()
-                  if (e.label.startswith(label) if session is None else e.label == label)
-                  or (session is None and e.label == self.scope.label)]
+                  if (users_state(e.label, self.key) if session is None else e.label == self.state_label(session))]
         if session is None and store.sealer is not None:
             rows = [r for d in ids for r in store.manifest.docs[d].rows]
             rows += [r for s in states for r in store.chain(store.manifest.states[s].last_row)]

@@ -39,6 +39,14 @@ from kvmemory.store.manifest import LOG_DIR, MANIFEST_NAME, CommitRecord, Manife
 from kvmemory.store.seal import Sealer
 
 
+def _provider(keys):
+    """The KeyProvider given, or the one the environment names (kvmemory/keys.py)."""
+    if keys is not None:
+        return keys
+    from kvmemory.keys import LocalKeyProvider
+    return LocalKeyProvider.from_env()
+
+
 class _SealedMeta(dict):
     """block_meta of an encrypted store: its token ids decrypted on first use (so that what reads
     only the chain's shape, like gc, never decrypts, and a forgotten owner's rows cost it nothing)."""
@@ -109,9 +117,7 @@ class BlockStore(CommitMixin, GcMixin):
             if keys is not None:
                 raise StoreKeyError(f"store {self.name} is not encrypted: it takes no keys")
             return None
-        if keys is None:
-            from kvmemory.keys import LocalKeyProvider
-            keys = LocalKeyProvider.from_env()
+        keys = _provider(keys)
         if not self.remote and keys.contains(self.root):
             raise StoreKeyError(f"store {self.name}: its keys ({keys.describe()}) must be held apart from it, "
                                 "not inside it (a copy of the store would carry them)")
@@ -131,10 +137,7 @@ class BlockStore(CommitMixin, GcMixin):
     def _make_store_key(manifest: Manifest, keys) -> None:
         """An encrypted store's own data key, made before its header is written."""
         if manifest.encryption:
-            if keys is None:
-                from kvmemory.keys import LocalKeyProvider
-                keys = LocalKeyProvider.from_env()
-            Sealer(manifest.encryption["store"], keys).create()
+            Sealer(manifest.encryption["store"], _provider(keys)).create()
 
     @classmethod
     def create_remote(cls, files, work_dir: Path, manifest: Manifest, lock_timeout_s: float = 30.0,
