@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmemory-installed
 
 # test: the bounded suite (what CI runs); test-full: every long test at its full size (tests/bounds.py)
-.PHONY: demo test test-full lint docs bench install clean cuda-check wheel-check examples
+.PHONY: demo test test-full lint docs bench install clean cuda-check wheel-check examples gpu-wheels
 
 NVCC       ?= nvcc
 CUDA_BUILD ?= build/cuda
@@ -81,6 +81,12 @@ cuda-check:
 	  $(NVCC) -shared $(CUDA_BUILD)/*.sm_$$arch.o -o $(CUDA_BUILD)/libkvmemory_cuda.sm_$$arch.so || exit 1; \
 	done
 	@echo "cuda-check: $(words $(CUDA_SRC)) sources compiled for sm_80 and sm_90 with warnings as errors"
+
+# what the GPU machine lacks (it fetches nothing), into .gpu/: the wheels of benchmarks/gpu/wheels.txt for its
+# Python 3.12, the default model's and MiniLM's tokenizer files; then on a lent GPU:
+# run(command="bash benchmarks/gpu/run.sh", carry=[".gpu"], timeout_s=480)
+gpu-wheels: $(STAMP)
+	$(BIN)/python benchmarks/gpu/prepare.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

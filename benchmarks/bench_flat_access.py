@@ -28,11 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from common import describe, drop_from_page_cache, write_json  # noqa: E402
 
 import kvmemory  # noqa: E402
 from kvmemory import hashing  # noqa: E402
+from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.documents import SEGMENT_BLOCKS  # noqa: E402
 from kvmemory.index import VectorIndex  # noqa: E402
 from kvmemory.index import windows as win  # noqa: E402
@@ -64,7 +66,9 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
     prelude, prelude_row = docs.prelude_state()
     store, C, p = mem.store, mem.block_tokens, prelude.n_tokens
     g = mem.geometry
-    base = rng.standard_normal((g.layers, 2, g.kv_heads, C, g.head_dim), dtype=np.float32)
+    # synthetic KV in the store's dtype (bfloat16 as its raw 16-bit words)
+    base = kvops.to_storage(torch.from_numpy(rng.standard_normal((g.layers, 2, g.kv_heads, C, g.head_dim),
+                                                                 dtype=np.float32)).to(mem.kv_dtype))
     vocab = mem.tokenizer.vocab_size
     rows, seg_len = [], SEGMENT_BLOCKS * C
     batch: list[tuple] = []
@@ -88,7 +92,7 @@ def build_store(path: Path, model, n_tokens: int, rng: np.random.Generator) -> t
         for i, bid in enumerate(ids):
             toks = seg[i * C:(i + 1) * C]
             kv = base[:, :, :, :len(toks)].copy()
-            kv[0, 0, 0, 0, 0] = len(rows) + len(batch)            # distinct bytes, distinct digest
+            kv[0, 0, 0, 0, 0] = (len(rows) + len(batch)) % 65521  # distinct bytes, distinct digest
             batch.append((bid, parent, toks, range(p + i * C, p + i * C + len(toks)), kv))
             parent = bid
         if len(batch) >= 64:
@@ -186,7 +190,9 @@ def main() -> None:
           for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",")]
     rng = np.random.default_rng()
     rows, skipped = [], []
-    per_token = 46080
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+        (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads) * \
+        torch.finfo(next(model.parameters()).dtype).bits // 8
     for n in [int(x) for x in args.tokens.split(",")]:
         free = shutil.disk_usage(work).free
         if n * per_token * 1.2 > free:

@@ -432,6 +432,9 @@ def main() -> int:
                     help="also run the same load against the server of another checkout of kvmemory (e.g. `git "
                          "worktree add /tmp/base REV`), with that version's defaults, and report each setting's "
                          "requests/s over it")
+    ap.add_argument("--model", default=None, help="the model the server runs (a local directory, a .gguf file; "
+                    "default: the default model)")
+    ap.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N or auto: where the model runs")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None, help="default benchmarks/results/serve-DATE.json")
     args = ap.parse_args()
@@ -447,7 +450,8 @@ def main() -> int:
     for bi, (batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows, metrics) in enumerate(batches):
         name = label(batch, invariant, block_tokens, prefill_tokens, dtype, inv_rows, metrics)
         with tempfile.TemporaryDirectory(prefix="kvm-serve-") as tmp:
-            mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant, dtype=dtype,
+            mem = kvmemory.Memory(Path(tmp) / "s.kvm", model=args.model, device=args.device, invariant=invariant,
+                                  dtype=dtype,
                                   store_config=StoreConfig(block_tokens=block_tokens, prefill_tokens=prefill_tokens))
             mem.add(harbour, doc_id="harbour")
             srv, t, url = start(mem, args.queue, batch, args.ask_rerank, inv_rows, metrics)
@@ -488,7 +492,8 @@ def main() -> int:
             t.join(timeout=30)
             mem.close()
             if bi == len(batches) - 1 and "ttft" in extra:      # the same conversation after a restart
-                mem = kvmemory.Memory(Path(tmp) / "s.kvm", invariant=invariant, dtype=dtype)
+                mem = kvmemory.Memory(Path(tmp) / "s.kvm", model=args.model, device=args.device, invariant=invariant,
+                                      dtype=dtype)
                 srv, t, url = start(mem, args.queue, batch, args.ask_rerank, inv_rows)
                 extra["ttft"]["restored_after_restart_s"] = ttft(url, mem.model_name, convo)[0]
                 srv.should_exit = True
@@ -500,6 +505,7 @@ def main() -> int:
         extra["baseline"] = baseline_run(args, level_seed, harbour)
     from kvmemory.config import ASK_RERANK
     res = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "seed": seed, "machine": describe(),
+           "model": args.model or "default", "device": args.device or "cpu",
            "ask_rerank": ASK_RERANK if args.ask_rerank is None else args.ask_rerank,
            "seconds_per_level": args.seconds, "settings": settings, **extra}
     out = Path(args.out or Path(__file__).parent / "results" / f"serve-{time.strftime('%Y-%m-%d')}.json")

@@ -62,10 +62,12 @@ def make_tiny(tokenizer, seed: int, layers: int = 2):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_dir):
-    """The default model's tokenizer, from its files alone (the weights are not loaded)."""
+def tokenizer(request):
+    """The default model's tokenizer, from its files alone (the weights are not loaded); from the folder
+    KVMEMORY_TEST_TOKENIZER names where it is set (the GPU machine: .gpu/tokenizer, not the model)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(default_dir)
+    where = os.environ.get("KVMEMORY_TEST_TOKENIZER")
+    return AutoTokenizer.from_pretrained(where or request.getfixturevalue("default_dir"))
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,13 @@ layer-0 keys as the model computes them there, the next-token KL reported and bo
 (one plain pass bit for bit, or a refusal naming why), batched prefill and decoding against each
 sequence alone, re-rank scores against a fresh prefill, ask over a small document store, chat memory
 recall, the server's chat completion through the official openai client, compact and audit. And the
-refusals: every model the engine cannot keep exact is a ModelLoadError with its reason."""
+refusals: every model the engine cannot keep exact is a ModelLoadError with its reason.
+
+KVMEMORY_TEST_DEVICE=cuda runs the suite with every model on the GPU (benchmarks/gpu/run.sh); default cpu."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -25,6 +28,7 @@ from kvmemory.model.families import FAMILIES
 from tests.bounds import FULL
 from tests.model.families import build, configs, refused
 
+DEVICE = os.environ.get("KVMEMORY_TEST_DEVICE", "cpu")
 C = 16                        # tokens per block: several blocks from short states
 # the suite's slower tests (a store of documents, a live server, invariant mode) run for every family in
 # the full run (make test-full, KVMEMORY_FULL_TESTS=1) and for one family of each code path in the
@@ -56,8 +60,13 @@ def _fresh(model, ids, chunk=C):
     cache = kvops.make_cache(None, model.config)
     with torch.inference_mode():
         for s in range(0, len(ids), chunk):
-            model(input_ids=torch.tensor([ids[s:s + chunk]]), past_key_values=cache, use_cache=True)
+            model(input_ids=_t([ids[s:s + chunk]]), past_key_values=cache, use_cache=True)
     return cache
+
+
+def _t(rows) -> torch.Tensor:
+    """Token ids on the suite's device."""
+    return torch.tensor(rows, device=DEVICE)
 
 
 def _ids(rng, n):
@@ -69,27 +78,28 @@ def test_exactness_contract(family, family_dirs, tmp_path, rng):
     """E1, E2 and E3 on states of the block boundaries, a branch and an extension; a flipped byte is caught."""
     path = tmp_path / "e.kvm"
     states = []
-    with kvmemory.Memory(path, model=str(family_dirs[family]), store_config=StoreConfig(block_tokens=C)) as mem:
+    with kvmemory.Memory(path, model=str(family_dirs[family]), device=DEVICE,
+                         store_config=StoreConfig(block_tokens=C)) as mem:
         assert mem.model_name == family
         base = _ids(rng, 3 * C + 5)
         for ids in (base[:1], base[:C - 1], base[:C], base[:C + 1], base, base + _ids(rng, 9)):
             states.append((ids, _ids(rng, rng.randrange(1, 6)), mem.save(ids).id))
         assert mem.verify() == [] and mem.verify(recompute=True) == []
         fp = mem.fingerprint
-    with kvmemory.Memory(path, model=str(family_dirs[family])) as mem:      # every byte from disk
+    with kvmemory.Memory(path, model=str(family_dirs[family]), device=DEVICE) as mem:      # every byte from disk
         assert mem.fingerprint == fp
         for ids, suffix, sid in states:
             st = mem.load(sid)
             assert st.token_ids == ids
             with torch.inference_mode():
-                graft = mem.model(input_ids=torch.tensor([suffix]), past_key_values=st.cache()).logits[0]
-                fresh = mem.model(input_ids=torch.tensor([suffix]), past_key_values=_fresh(mem.model, ids)).logits[0]
+                graft = mem.model(input_ids=_t([suffix]), past_key_values=st.cache()).logits[0]
+                fresh = mem.model(input_ids=_t([suffix]), past_key_values=_fresh(mem.model, ids)).logits[0]
             assert torch.equal(graft, fresh), (family, len(ids))
     shard = sorted(p for p in (path / "data" / "kv").rglob("*") if p.is_file() and p.name != "zarr.json")[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    with kvmemory.Memory(path, model=str(family_dirs[family])) as mem:
+    with kvmemory.Memory(path, model=str(family_dirs[family]), device=DEVICE) as mem:
         assert mem.verify() != []
 
 
@@ -101,7 +111,7 @@ def test_offset_graft(family, family_dirs, tmp_path, rng):
     text is reported and bounded."""
     from kvmemory import graft
 
-    with kvmemory.Memory(tmp_path / "o.kvm", model=str(family_dirs[family]),
+    with kvmemory.Memory(tmp_path / "o.kvm", model=str(family_dirs[family]), device=DEVICE,
                          store_config=StoreConfig(block_tokens=C)) as mem:
         ids, prefix = _ids(rng, 2 * C + 3), _ids(rng, 7)
         st = mem.save(ids)
@@ -116,8 +126,8 @@ def test_offset_graft(family, family_dirs, tmp_path, rng):
         torch.testing.assert_close(kv[0, 0], k0, rtol=1e-4, atol=1e-5)
         nxt = _ids(rng, 1)
         with torch.inference_mode():
-            a = mem.model(input_ids=torch.tensor([nxt]), past_key_values=kvops.make_cache(kv, mem.model.config)).logits[0, -1]
-            b = mem.model(input_ids=torch.tensor([nxt]), past_key_values=whole).logits[0, -1]
+            a = mem.model(input_ids=_t([nxt]), past_key_values=kvops.make_cache(kv, mem.model.config)).logits[0, -1]
+            b = mem.model(input_ids=_t([nxt]), past_key_values=whole).logits[0, -1]
         kl = float(kl_divergence(b, a))
         print(f"\nE4 {family}: KL {kl:.3g} after a {len(ids)}-token graft at offset {len(prefix)}")
         assert 0.0 <= kl < 0.05
@@ -127,7 +137,7 @@ def test_offset_graft(family, family_dirs, tmp_path, rng):
 def test_invariant_mode_is_one_plain_pass_or_refused_with_its_reason(family, family_dirs, tmp_path):
     from kvmemory.model.invariant import InvariantUnavailableError
     try:
-        mem = kvmemory.Memory(tmp_path / "i.kvm", model=str(family_dirs[family]), invariant=True,
+        mem = kvmemory.Memory(tmp_path / "i.kvm", model=str(family_dirs[family]), device=DEVICE, invariant=True,
                               store_config=StoreConfig(block_tokens=C))
     except (InvariantUnavailableError, ModelLoadError) as e:
         assert str(e)
@@ -145,13 +155,13 @@ def test_batched_prefill_and_decoding_equal_each_sequence_alone(family, family_d
     from kvmemory.batching import forward_many, step
     from kvmemory.model import load_model
 
-    model, _, _ = load_model(str(family_dirs[family]), cache_dir=cache_dir)
+    model, _, _ = load_model(str(family_dirs[family]), cache_dir=cache_dir, device=DEVICE)
     prompts = [_ids(rng, rng.randrange(3, 40)) for _ in range(3)]
     news = [_ids(rng, rng.randrange(1, 6)) for _ in range(3)]
     alone = []
     for p, t in zip(prompts, news):
         with torch.inference_mode():
-            alone.append(model(input_ids=torch.tensor([t]), past_key_values=_fresh(model, p, 64)).logits[0])
+            alone.append(model(input_ids=_t([t]), past_key_values=_fresh(model, p, 64)).logits[0])
     caches = [_fresh(model, p, 64) for p in prompts]
     out = forward_many(model, caches, news, [len(t) for t in news])
     for a, b in zip(alone, out):
@@ -160,7 +170,7 @@ def test_batched_prefill_and_decoding_equal_each_sequence_alone(family, family_d
     stepped = step(model, caches, nxt)
     for p, t, n, s in zip(prompts, news, nxt, stepped):
         with torch.inference_mode():
-            want = model(input_ids=torch.tensor([[n]]), past_key_values=_fresh(model, p + t, 64)).logits[0, -1]
+            want = model(input_ids=_t([[n]]), past_key_values=_fresh(model, p + t, 64)).logits[0, -1]
         torch.testing.assert_close(s, want, rtol=1e-4, atol=1e-4)
 
 
@@ -172,7 +182,7 @@ def test_selective_recompute_reproduces_the_forward_or_is_refused(family, family
     from kvmemory.errors import InputError
     from kvmemory.model import load_model
 
-    model, _, _ = load_model(str(family_dirs[family]), cache_dir=cache_dir)
+    model, _, _ = load_model(str(family_dirs[family]), cache_dir=cache_dir, device=DEVICE)
     ctx, q = _ids(rng, 40), _ids(rng, 5)
     c = _fresh(model, ctx, 64)
     kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in c.layers])
@@ -184,7 +194,7 @@ def test_selective_recompute_reproduces_the_forward_or_is_refused(family, family
         return
     logits, _, stats = blend_prefill(model, kv, ctx, q, 1.0)
     with torch.inference_mode():
-        fresh = model(input_ids=torch.tensor([ctx + q])).logits[0, -1]
+        fresh = model(input_ids=_t([ctx + q])).logits[0, -1]
     torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
     assert stats.recomputed == len(ctx)
 
@@ -202,7 +212,7 @@ def test_rerank_ask_chat_memory_compact_and_audit(family, family_dirs, tmp_path,
     from kvmemory.rerank import question_loglik, rerank
     from kvmemory.retrieve import rank_blocks
 
-    with kvmemory.Memory(tmp_path / "a.kvm", model=str(family_dirs[family]), segment_blocks=2) as mem:
+    with kvmemory.Memory(tmp_path / "a.kvm", model=str(family_dirs[family]), device=DEVICE, segment_blocks=2) as mem:
         mem.add(_doc(rng) + " The vault code is 4417. " + _doc(rng), doc_id="a")
         mem.add(_doc(rng), doc_id="b")
         docs = mem.documents
@@ -220,7 +230,7 @@ def test_rerank_ask_chat_memory_compact_and_audit(family, family_dirs, tmp_path,
             cache = _fresh(mem.model, docs.prelude.ids, mem.block_tokens)
             with torch.inference_mode():
                 for s in range(0, len(ids), mem.block_tokens):
-                    mem.model(input_ids=torch.tensor([ids[s:s + mem.block_tokens]]), past_key_values=cache)
+                    mem.model(input_ids=_t([ids[s:s + mem.block_tokens]]), past_key_values=cache)
             assert abs(question_loglik(mem.model, cache, q_ids, docs.prelude.question_span(q_ids)) - h.score) < 1e-3
         a1, a2 = mem.ask(q, max_new_tokens=4), mem.ask(q, max_new_tokens=4)
         assert a1.text == a2.text and any(src[0] == "a" for src in a1.sources)
@@ -242,7 +252,7 @@ def test_the_server_answers_a_chat_completion(family, family_dirs, tmp_path):
     openai = pytest.importorskip("openai")
     from tests.server.test_server import serving
 
-    mem = kvmemory.Memory(tmp_path / "s.kvm", model=str(family_dirs[family]))
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=str(family_dirs[family]), device=DEVICE)
     with serving(mem) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         msgs = [{"role": "user", "content": "Name a colour."}]
