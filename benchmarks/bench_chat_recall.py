@@ -19,17 +19,29 @@ Conditions, side by side on the same histories and questions:
     kv-user-end     ... grafted as KV and closed with <|im_end|>
     oracle          the fact as the user last told it, quoted as text (the model's ceiling)
 
+Variants of a kv condition are named by suffixes: -system (the turns deposited and grafted in the
+"system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
+turns were computed behind, a system note and a user message's opening, grafted before them and the
+message closed after them), -end (closed with <|im_end|>), -rF (F of the grafted tokens recomputed,
+CacheBlend; default ChatMemory's), -guard (the reply kept from opening as a remembered turn reads,
+kvmemory/chat_memory/guard.py; text conditions take it too), e.g.
+kv-user-system-r0.6. --store DIR keeps the histories (the store and the probes) and reuses them: the
+conditions of several runs are then paired on the same conversations.
+
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
 that continue remembered prose ("You replied", "the user said", a remembered reply repeated), median
 TTFT. JSON + PNG.
 
     python benchmarks/bench_chat_recall.py --users 10 --facts 20
+    python benchmarks/bench_chat_recall.py --store /tmp/recall --conditions text-user,kv-user,kv-user-system
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -138,6 +150,23 @@ def right(p: dict, answer: str) -> bool:
     return p["value"].casefold() in a and (p["old"] is None or p["old"].casefold() not in a)
 
 
+# the memories a user's history is deposited in: (name suffix, keep, layout)
+MEMORIES = {"exchange": ("", "exchange", None), "user": ("#user", "user", None),
+            "user-system": ("#usersys", "user", "system")}
+
+
+def condition(c: str) -> dict:
+    """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
+    m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system)?(-head)?(-end)?(?:-r([0-9.]+))?(-guard)?", c)
+    if m is None:
+        raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
+                         "(text|kv)-(exchange|user)[-system][-head][-end][-rF][-guard]")
+    keep = m.group(2) or "exchange"
+    return {"base": m.group(1), "memory": keep + ("-system" if m.group(3) else ""), "head": bool(m.group(4)),
+            "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
+            "guard": bool(m.group(7))}
+
+
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
     """The user says `text` in `session`; the model replies through the default memory (remembered
     there); the same exchange is remembered by the other keeps. Returns the reply."""
@@ -150,7 +179,7 @@ def told(cms, session: str, text: str, max_new_tokens: int) -> str:
 
 
 def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, list[str]]:
-    cms = {"exchange": mem.chat_memory(name, keep="exchange"), "user": mem.chat_memory(name + "#user", keep="user")}
+    cms = {k: mem.chat_memory(name + sfx, keep=keep, layout=layout) for k, (sfx, keep, layout) in MEMORIES.items()}
     replies, s = [], 0
     events = [("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
     rng.shuffle(events)
@@ -175,17 +204,21 @@ def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, l
 
 
 def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
-    keep = "user" if "-user" in c else "exchange"
-    base = c.replace("-user", "").replace("-exchange", "")
-    cm = mem.chat_memory(name + "#user" if keep == "user" else name, keep=keep)
+    cond = condition(c)
+    sfx, keep, layout = MEMORIES[cond["memory"]]
+    cm = mem.chat_memory(name + sfx, keep=keep, layout=layout, recompute=cond["recompute"])
+    base = cond["base"]
     msgs = [{"role": "user", "content": p["ask"]}]
     if base == "oracle":
         msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
                  + (p.get("fix") or p["tell"])}] + msgs
         base = "none"
     saved = cm.foot_text
-    if base == "kv-end":
-        cm.foot_text, base = "<|im_end|>\n", "kv"
+    if cond["end"] or cond["head"]:
+        cm.foot_text = "<|im_end|>\n"
+    if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
+        cm.graft_head = True
+    cm.guard = cond["guard"]
     try:
         text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
     finally:
@@ -195,10 +228,17 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
             "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
 
 
-def run(args, seed: int) -> dict:
-    rng = random.Random(seed)
+def histories(args, seed: int) -> tuple[Path, dict]:
+    """The users' conversations, built now (the model replying) or, with --store, reused from an earlier
+    run: (the store's path, {users, replies, tokens, history_s, seed})."""
     import kvmemory
-    path = Path(tempfile.mkdtemp(prefix="kvm-recall-")) / "m.kvm"
+    root = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="kvm-recall-"))
+    path, saved = root / "m.kvm", root / "histories.json"
+    if saved.is_file():
+        got = json.loads(saved.read_text())
+        print(f"reusing the histories in {root} (seed {got['seed']})", file=sys.stderr)
+        return path, got
+    rng = random.Random(seed)
     users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts) for i in range(args.users)}
     bar = _bar(sum(len(p) + sum(x["old"] is not None for x in p) for p in users.values()), "conversations")
     replies: dict[str, list[str]] = {}
@@ -207,10 +247,21 @@ def run(args, seed: int) -> dict:
         for name, probes in users.items():
             _, replies[name] = history(rng, mem, name, probes, args, bar)
         tokens = {name: sum(x["tokens"] for x in mem.chat_memory(name, keep="exchange").sessions()) for name in users}
-    history_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    got = {"users": users, "replies": replies, "tokens": tokens, "history_s": time.perf_counter() - t0, "seed": seed}
+    if args.store:
+        saved.write_text(json.dumps(got))
+    return path, got
+
+
+def run(args, seed: int) -> dict:
+    import kvmemory
+    path, h = histories(args, seed)
+    users, replies, tokens, history_s = h["users"], h["replies"], h["tokens"], h["history_s"]
     conds = args.conditions.split(",")
+    for c in conds:
+        condition(c)
     rows = []
     bar = _bar(sum(len(p) for p in users.values()) * len(conds), "questions")
     with kvmemory.Memory(path) as mem:                # reopened: what a restart sees
@@ -224,7 +275,7 @@ def run(args, seed: int) -> dict:
                 rows.append(row)
     if bar is not None:
         bar.close()
-    return {"users": len(users), "probes": len(rows), "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
+    return {"users": len(users), "probes": len(rows), "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
             "history_tokens_per_user": statistics.mean(tokens.values()), "history_s": history_s,
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
 
@@ -239,11 +290,12 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "continues": sum(r[c]["continues"] for r in rows) / n,
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
                   "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
-    for keep in ("exchange", "user"):
-        kv, text = f"kv-{keep}", f"text-{keep}"
-        if kv in conds and text in conds:
-            out[f"paired_{keep}"] = {"kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
-                                     "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
+    for kv in conds:                                  # each kv condition against quoting the same turns
+        cond = condition(kv)
+        text = "text-" + cond["memory"].split("-")[0]
+        if cond["base"] == "kv" and text in conds:
+            out[f"paired_{kv}"] = {"against": text, "kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
+                                   "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
     return out
 
 
@@ -265,8 +317,8 @@ def table(res: dict) -> str:
                      f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
     for c, p in res["summary"].items():
         if c.startswith("paired_"):
-            lines.append(f"\npaired, the turns kept as '{c[7:]}', kv against text: kv alone right {p['kv_only']}, "
-                         f"text alone right {p['text_only']}")
+            lines.append(f"\npaired, {c[7:]} against {p['against']}: {c[7:]} alone right {p['kv_only']}, "
+                         f"{p['against']} alone right {p['text_only']}")
     return "\n".join(lines)
 
 
@@ -279,7 +331,10 @@ def main() -> int:
                     help="pad each user's history with scripted small talk to this many tokens")
     ap.add_argument("--reply-tokens", type=int, default=32, help="the model's replies in the history")
     ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--conditions", default=",".join(CONDITIONS),
+                    help="comma-separated; kv variants take -system, -end, -rF suffixes (see above)")
+    ap.add_argument("--store", default=None, metavar="DIR",
+                    help="keep the histories here, or reuse them if DIR holds them (default: a temp dir, built anew)")
     add_common_args(ap)
     args = ap.parse_args()
     seed = seed_of(args)

@@ -105,6 +105,11 @@ LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py -
 # words alone answered 72/200 against 42/200 with the reply kept, and answers continuing remembered prose
 # fell from 65.5% to 9.5% (a small model's reply is often no content, and it continues a remembered one)
 KEEP = "user"
+# keep a reply from opening as a remembered turn reads (kvmemory/chat_memory/guard.py; Python replies,
+# ChatMemory.guard). Off: on the same 200 probes (bench_chat_recall.py, 2026-12-05, histories seed
+# 448474438) recalled as KV it took answers continuing remembered prose from 13.0% to 5.0% but right
+# answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
+GUARD = False
 MAX_USER = 200
 
 
@@ -174,6 +179,8 @@ class ChatMemory:
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
         self.graft_head = self.layout == "system"
+        # keep a Python reply from opening as a remembered turn reads (GUARD; kvmemory/chat_memory/guard.py)
+        self.guard = GUARD
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory import graft, kv as kvops, prompts
+from kvmemory.chat_memory.guard import Guard
 from kvmemory.chat_memory.turns import said
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor
@@ -156,7 +157,8 @@ def reply(rt: Runtime, cm, messages: list[dict], session: str | None = None, max
         w = build(rt, cm, messages, session, max_new_tokens, as_, k, label=cm.state_label(session), owner=cm.key)
         ttft = time.perf_counter() - t0
         stream = TextStream(rt.tokenizer, strip=True)
-        new = greedy(rt.model, w.cache, w.logits, max_new_tokens, rt.eos_ids, on_token=stream)
+        pick = Guard(rt.tokenizer) if cm.guard and w.hits else None
+        new = greedy(rt.model, w.cache, w.logits, max_new_tokens, rt.eos_ids, on_token=stream, pick=pick)
         text = stream.finish(new)
         rt.save(w.ids + new, label=cm.state_label(session), owner=cm.key)   # next turn
         if remember and session:

@@ -38,13 +38,35 @@ def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
             assert p["old"] in p["tell"] and p["value"] != p["old"]
 
 
+def test_condition_names():
+    assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
+                                                   "end": False, "recompute": 0.6, "guard": False}
+    assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
+                                                 "recompute": None, "guard": True}
+    assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
+    assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"
+    with pytest.raises(SystemExit):
+        b.condition("kv-user-sideways")
+
+
 @pytest.mark.real_model
 def test_a_tiny_run_end_to_end(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "2",
-                        "--distractors", "0", "--answer-tokens", "8", "--reply-tokens", "8", "--seed", "5",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    store = tmp_path / "histories"
+    cmd = [sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "2", "--distractors", "0",
+           "--answer-tokens", "8", "--reply-tokens", "8", "--store", str(store)]
+    r = subprocess.run(cmd + ["--seed", "5", "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(next(tmp_path.glob("chat-recall-2-*.json")).read_text())
+    res = json.loads(next((tmp_path / "a").glob("chat-recall-2-*.json")).read_text())
     assert res["seed"] == 5 and res["probes"] == 2 and set(res["summary"]) >= set(b.CONDITIONS)
     assert res["summary"]["none"]["evidence_recalled"] == 0 and res["summary"]["kv-user"]["evidence_recalled"] > 0
-    assert (tmp_path / next(tmp_path.glob("chat-recall-2-*.json")).with_suffix(".png").name).is_file()
+    assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
+    # the same histories again, other conditions: paired on the same conversations
+    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,kv-user-system-r1.0,kv-user-guard", "--out",
+                              str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = json.loads(next((tmp_path / "b").glob("chat-recall-2-*.json")).read_text())
+    assert "reusing the histories" in r.stderr and again["histories_seed"] == 5
+    assert [x["tell"] for x in again["rows"]] == [x["tell"] for x in res["rows"]]
+    assert again["summary"]["kv-user-system-r1.0"]["evidence_recalled"] > 0
+    assert again["summary"]["paired_kv-user-system-r1.0"]["against"] == "text-user"
