@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import wilson  # noqa: E402
-from common import add_common_args, finish, plot, seed_of  # noqa: E402
+from common import add_common_args, finish, plot, seed_of, write_json  # noqa: E402
 
 NAMES = ["Ingrid", "Tomas", "Aiko", "Mateo", "Leila", "Oskar", "Priya", "Jonas", "Freya", "Ravi", "Elena", "Nils",
          "Sofia", "Karim", "Hanna", "Diego", "Mira", "Lukas", "Amara", "Viktor", "Astrid", "Bruno", "Chiara", "Dmitri"]
@@ -251,7 +251,7 @@ def histories(args, seed: int) -> tuple[Path, dict]:
         bar.close()
     got = {"users": users, "replies": replies, "tokens": tokens, "history_s": time.perf_counter() - t0, "seed": seed}
     if args.store:
-        saved.write_text(json.dumps(got))
+        write_json(saved, got)
     return path, got
 
 
