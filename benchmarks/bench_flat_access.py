@@ -36,6 +36,7 @@ import kvmemory  # noqa: E402
 from kvmemory import hashing  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.documents import SEGMENT_BLOCKS  # noqa: E402
+from kvmemory.model.fingerprint import geometry  # noqa: E402
 from kvmemory.index import VectorIndex  # noqa: E402
 from kvmemory.index import windows as win  # noqa: E402
 from kvmemory.index.lexical import LexicalIndex  # noqa: E402
@@ -190,9 +191,7 @@ def main() -> None:
           for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",")]
     rng = np.random.default_rng()
     rows, skipped = [], []
-    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
-        (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads) * \
-        torch.finfo(next(model.parameters()).dtype).bits // 8
+    per_token = geometry(model).bytes_per_token
     for n in [int(x) for x in args.tokens.split(",")]:
         free = shutil.disk_usage(work).free
         if n * per_token * 1.2 > free:

@@ -92,11 +92,12 @@ def build(name: str, dtype):
 
 
 @torch.inference_mode()
-def _fresh(model, ids, C):
+def canonical_prefill(model, ids, C):
+    """The store's canonical prefill (block-aligned forwards of C tokens), on the model's device."""
     from kvmemory import kv as kvops
     cache = kvops.make_cache(None, model.config)
     for s in range(0, len(ids), C):
-        model(input_ids=torch.tensor([ids[s:s + C]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([ids[s:s + C]], device=model.device), past_key_values=cache, use_cache=True)
     return cache
 
 
@@ -138,7 +139,7 @@ def measure(name: str, args, rng: random.Random, tok, work: Path) -> dict:
     restore_s = time.perf_counter() - t
     t = time.perf_counter()
     with torch.inference_mode():
-        fresh = mem.model(input_ids=torch.tensor([suffix]), past_key_values=_fresh(model, ids, C)).logits[0, -1]
+        fresh = mem.model(input_ids=torch.tensor([suffix]), past_key_values=canonical_prefill(model, ids, C)).logits[0, -1]
     recompute_s = time.perf_counter() - t
     e3 = [torch.equal(graft, fresh)]
     for _ in range(args.e3 - 1):
@@ -148,10 +149,10 @@ def measure(name: str, args, rng: random.Random, tok, work: Path) -> dict:
         s = mem.load(mem.save(x).id)
         with torch.inference_mode():
             a = mem.model(input_ids=torch.tensor([sfx]), past_key_values=s.cache()).logits[0]
-            b = mem.model(input_ids=torch.tensor([sfx]), past_key_values=_fresh(model, x, C)).logits[0]
+            b = mem.model(input_ids=torch.tensor([sfx]), past_key_values=canonical_prefill(model, x, C)).logits[0]
         e3.append(torch.equal(a, b))
     # a decode step of 8 sequences of 256 tokens: batched against one at a time
-    caches = [_fresh(model, [rng.randrange(100, vocab) for _ in range(256)], C) for _ in range(8)]
+    caches = [canonical_prefill(model, [rng.randrange(100, vocab) for _ in range(256)], C) for _ in range(8)]
     nxt = [[rng.randrange(100, vocab)] for _ in range(8)]
     t = time.perf_counter()
     for c, n in zip(caches, nxt):

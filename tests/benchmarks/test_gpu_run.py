@@ -15,24 +15,12 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU))
+from prepare import norm, pins  # noqa: E402
 # the GPU machine's Python
 DEVICE_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_python_implementation": "CPython",
               "implementation_name": "cpython", "sys_platform": "linux", "platform_system": "Linux",
               "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
-
-
-def norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def listed(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            out[norm(name)] = version.strip()
-    return out
 
 
 def test_the_dry_run_measures_every_section(tmp_path):
@@ -68,8 +56,8 @@ def test_the_dry_run_measures_every_section(tmp_path):
 
 
 def test_the_wheels_are_the_versions_tested_here():
-    wheels = listed(GPU / "wheels.txt")
-    constraints = listed(ROOT / "constraints.txt")
+    wheels = pins()
+    constraints = pins(ROOT / "constraints.txt")
     for name, version in wheels.items():
         if name in constraints:
             assert constraints[name] == version, name
@@ -85,7 +73,7 @@ def test_every_distribution_the_engine_needs_is_on_the_gpu_machine_or_carried():
     through the carried wheels; a distribution the machine has already ends the walk."""
     device = {norm(line.strip()) for line in (GPU / "device-packages.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")}
-    wheels = listed(GPU / "wheels.txt")
+    wheels = pins()
     missing, seen, todo = set(), set(), ["kvmemory"]
     while todo:
         dist = todo.pop()
