@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/kvmemory demo
 
 test: $(STAMP) lint docs
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=25
 	$(MAKE) wheel-check
 
 # the documentation site, built with --strict (a broken link or a missing reference fails)

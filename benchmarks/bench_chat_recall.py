@@ -29,8 +29,12 @@ kv-user-system-r0.6. --store DIR keeps the histories (the store and the probes) 
 conditions of several runs are then paired on the same conversations.
 
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
-that continue remembered prose ("You replied", "the user said", a remembered reply repeated), median
-TTFT. JSON + PNG.
+that continue remembered prose (opening as a remembered turn reads: "You replied", "the user said";
+or, not answering, repeating the opening of words the window showed: a recalled message or reply;
+continues_prose), of those opening as a remembered turn alone, median TTFT. JSON + PNG.
+
+-messages (kv-user-messages, text-user-messages): the turns kept as the chat messages they were (the
+user's words a user message of their own), grafted (kv) or quoted (text) before the new message.
 
     python benchmarks/bench_chat_recall.py --users 10 --facts 20
     python benchmarks/bench_chat_recall.py --store /tmp/recall --conditions text-user,kv-user,kv-user-system
@@ -115,17 +119,34 @@ SMALL_TALK = ["Can you suggest a quick breakfast?", "How do I keep basil alive i
               "octopuses.", "Any tips for sleeping better?", "What is a haiku?", "Recommend a board game for two.",
               "Why is the sky blue?", "How long should I boil an egg?", "What should I pack for a day hike?",
               "How can I learn to juggle?", "What's a good stretch after running?", "How do I remove a coffee stain?"]
-CONTINUES = ("you replied", "the user said", "on 20", "user said:", "you said:")
+CONTINUES = ("you replied", "the user said", "on 20", "user said:", "you said:", "the user asked")
 CONDITIONS = ("none", "text-exchange", "kv-exchange", "text-user", "kv-user", "kv-user-end", "oracle")
 
 
-def continues_prose(answer: str, replies: list[str]) -> bool:
-    """An answer that continues remembered prose instead of answering: it opens like a remembered turn
-    ("You replied: ...", "On 2026-..., the user said") or repeats a remembered reply's opening."""
+def opens_as_memory(answer: str) -> bool:
+    """The answer opens as a remembered turn reads ("You replied: ...", "On 2026-..., the user said")."""
     a = answer.strip().casefold()
-    if any(a.startswith(c) or c in a[:40] for c in CONTINUES):
+    return any(a.startswith(c) or c in a[:40] for c in CONTINUES)
+
+
+def continues_prose(answer: str, shown: list[str], is_right: bool) -> bool:
+    """An answer that continues remembered prose instead of answering: it opens as a remembered turn
+    reads, or, not answering, repeats the opening (20 characters) of words the window showed it: a
+    recalled user's message or reply (`shown`). An opening the model has without them (its habit: "I'm
+    sorry for any confusion, ...") is not a repetition of memory, nor is a right answer that quotes the
+    user's own sentence ("The door code at work is 8013.")."""
+    if opens_as_memory(answer):
         return True
-    return any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in replies)
+    a = answer.strip().casefold()
+    return not is_right and any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in shown)
+
+
+def continues_v1(answer: str, replies: list[str]) -> bool:
+    """The first judge (results before 2026-12-05-e): any of the user's remembered replies repeated,
+    recalled or not, right or not (so the model's own habits counted too)."""
+    a = answer.strip().casefold()
+    return opens_as_memory(answer) or any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20])
+                                          for r in replies)
 
 
 def make_probes(rng: random.Random, n: int) -> list[dict]:
@@ -151,18 +172,20 @@ def right(p: dict, answer: str) -> bool:
 
 
 # the memories a user's history is deposited in: (name suffix, keep, layout)
-MEMORIES = {"exchange": ("", "exchange", None), "user": ("#user", "user", None),
-            "user-system": ("#usersys", "user", "system")}
+MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "turns"),
+            "user-system": ("#usersys", "user", "system"), "user-messages": ("#usermsg", "user", "messages")}
 
 
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
-    m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system)?(-head)?(-end)?(?:-r([0-9.]+))?(-guard)?", c)
-    if m is None:
+    m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
+                     r"(-guard)?", c)
+    if m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
-                         "(text|kv)-(exchange|user)[-system][-head][-end][-rF][-guard]")
+                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard] "
+                         f"(memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
-    return {"base": m.group(1), "memory": keep + ("-system" if m.group(3) else ""), "head": bool(m.group(4)),
+    return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
             "guard": bool(m.group(7))}
 
@@ -223,9 +246,23 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
     finally:
         cm.foot_text = saved
-    return {"answer": text, "right": right(p, text), "continues": continues_prose(text, replies),
+    shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
+    if cond["base"] == "oracle":
+        shown = [p.get("fix") or p["tell"]]
+    ok = right(p, text)
+    return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok),
+            "opens_as_memory": opens_as_memory(text), "continues_v1": continues_v1(text, replies),
             "ttft_s": st["ttft_s"], "recalled": len(st.get("recalled", [])),
             "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
+
+
+def _messages(turn: str) -> list[dict]:
+    """A recalled turn's prose (kvmemory/chat_memory/turns.py) -> its user message and reply."""
+    from kvmemory.chat_memory.turns import REPLIED, said
+    out = [{"role": "user", "content": said(turn)}]
+    if REPLIED in turn:
+        out.append({"role": "assistant", "content": turn.split(REPLIED, 1)[1].rstrip("\n")})
+    return out
 
 
 def histories(args, seed: int) -> tuple[Path, dict]:
@@ -273,11 +310,24 @@ def run(args, seed: int) -> dict:
                     if bar is not None:
                         bar.update(1)
                 rows.append(row)
+        forgotten = undo_questions(mem, users)
     if bar is not None:
         bar.close()
-    return {"users": len(users), "probes": len(rows), "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
+    return {"users": len(users), "probes": len(rows), "question_states_removed": forgotten, "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
             "history_tokens_per_user": statistics.mean(tokens.values()), "history_s": history_s,
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
+
+
+def undo_questions(mem, users) -> int:
+    """Forget the states the questions saved (each reply saves its conversation, session "ask") and gc
+    their bytes: a later run on the same --store starts from the histories alone (quoting's prefixes
+    are not restored from an earlier run, and ~12 MB a reply does not pile up). Returns the states."""
+    n = 0
+    for name in users:
+        for sfx, keep, layout in MEMORIES.values():
+            n += mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
+    mem.gc(grace_s=0)
+    return n
 
 
 def summarize(rows: list[dict], conds: list[str]) -> dict:
@@ -288,14 +338,21 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
         lo, hi = wilson(k, n)
         out[c] = {"right": k, "n": n, "accuracy": k / n, "wilson95": [lo, hi],
                   "continues": sum(r[c]["continues"] for r in rows) / n,
+                  "opens_as_memory": sum(r[c].get("opens_as_memory", False) for r in rows) / n,
+                  "continues_v1": sum(r[c].get("continues_v1", r[c]["continues"]) for r in rows) / n,
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
                   "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
     for kv in conds:                                  # each kv condition against quoting the same turns
         cond = condition(kv)
-        text = "text-" + cond["memory"].split("-")[0]
-        if cond["base"] == "kv" and text in conds:
-            out[f"paired_{kv}"] = {"against": text, "kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
-                                   "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
+        if cond["base"] != "kv":
+            continue
+        # against quoting the same turns in the system message (text-<keep>), and against quoting them
+        # in the same form (text-<memory>: the same window prefilled) where that differs
+        for key, text in ((f"paired_{kv}", "text-" + cond["memory"].split("-")[0]),
+                          (f"paired_{kv}/same-form", "text-" + cond["memory"])):
+            if text in conds and not (key.endswith("same-form") and text == "text-" + cond["memory"].split("-")[0]):
+                out[key] = {"against": text, "kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
+                            "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
     return out
 
 
@@ -307,13 +364,14 @@ def _bar(total: int, desc: str):
 
 
 def table(res: dict) -> str:
-    lines = ["| condition | right | accuracy (Wilson 95%) | continues prose | evidence recalled | median TTFT |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| condition | right | accuracy (Wilson 95%) | continues prose (opens as memory) | evidence recalled "
+             "| median TTFT |", "|---|---|---|---|---|---|"]
     for c, s in res["summary"].items():
         if c.startswith("paired_"):
             continue
         lo, hi = s["wilson95"]
         lines.append(f"| {c} | {s['right']}/{s['n']} | {s['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | {s['continues']:.1%} "
+                     f"({s['opens_as_memory']:.1%}) "
                      f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
     for c, p in res["summary"].items():
         if c.startswith("paired_"):

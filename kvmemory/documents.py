@@ -308,11 +308,16 @@ class Documents:
         """[L, 2, H, p, D] KV of the prelude."""
         return self.prelude_state()[0].kv
 
-    def add(self, text, doc_id: str | None = None, source: str = "", progress=None) -> DocInfo:
+    def add(self, text, doc_id: str | None = None, source: str = "", progress=None, *,
+            ids: list[int] | None = None) -> DocInfo:
+        """Deposit `text` (str or UTF-8 bytes), or with `ids` those token ids as they are (chat memory's
+        turns as chat messages: the template's control tokens around words tokenized as text)."""
         rt = self.rt
         store = rt.store()
-        text = decode_text(text, source)
-        ids = text_ids(rt.tokenizer, text)
+        if ids is None:
+            ids = text_ids(rt.tokenizer, decode_text(text, source))
+        elif not ids or not all(isinstance(t, int) and 0 <= t < len(rt.tokenizer) for t in ids):
+            raise InputError("ids must be a non-empty list of the tokenizer's token ids")
         if progress is not None:
             progress.total = len(ids)
             progress.refresh()

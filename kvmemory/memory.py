@@ -410,10 +410,10 @@ class Memory:
     # ------------------------------------------------------------------ chat memory
     def chat_memory(self, user: str, layout: str | None = None, recompute: float | None = None,
                     keep: str | None = None):
-        """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember,
-        recall, reply, sessions, forget. Its turns live in a namespace of their own. recompute: the
-        fraction of the recalled turns' tokens recomputed in each window; keep: what of an exchange
-        is remembered (defaults: kvmemory.chat_memory.memory)."""
+        """The memory of one user of a chat assistant (kvmemory.chat_memory.ChatMemory): remember, recall,
+        reply, sessions, forget, its turns in a namespace of their own. recompute: the fraction of the recalled
+        turns' tokens recomputed in each window; keep: what of an exchange is remembered; layout: "turns"
+        (prose), "system" or "messages" (the chat messages it was) (defaults: kvmemory.chat_memory.memory)."""
         from kvmemory.chat_memory import ChatMemory
         return ChatMemory(self.rt, self.scopes, user, layout, recompute=recompute, keep=keep)
 

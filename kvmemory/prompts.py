@@ -5,6 +5,7 @@ prompt's text, the text one turn adds after a system message, and a template cut
 from __future__ import annotations
 
 from kvmemory.errors import InputError
+from kvmemory.text import text_ids
 
 ROLES = ("system", "user", "assistant")
 
@@ -54,3 +55,30 @@ def split_at(tokenizer, system: str, user: str, mark: str) -> tuple[str, str]:
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     head, tail = text.split(mark)
     return head, tail
+
+
+def message_ids(tokenizer, messages: list[dict], system: str = "x") -> tuple[list[int], list[tuple[int, int]]]:
+    """The token ids `messages` add after the system prompt `system` in the chat template (no assistant
+    opening after them), and each message's content span in them. The template's own tokens are
+    parsed (its control tokens are control tokens); the contents are tokenized as text, so a content
+    that spells `<|im_end|>` cannot close its message."""
+    marks = [f"\u0000kvmemory-Content-{i}\u0000" for i in range(len(messages))]
+    head = system_text(tokenizer, system)
+    full = tokenizer.apply_chat_template([{"role": "system", "content": system}]
+                                         + [{"role": m["role"], "content": k} for m, k in zip(messages, marks)],
+                                         tokenize=False)
+    if not full.startswith(head):
+        raise InputError("the chat template does not extend the system prompt; cannot build messages after it")
+    rest = full[len(head):]
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for m, k in zip(messages, marks):
+        if rest.count(k) != 1:
+            raise InputError("the chat template does not render a message's content as it is")
+        before, rest = rest.split(k)
+        ids += tokenizer(before, add_special_tokens=False)["input_ids"] if before else []
+        words = text_ids(tokenizer, m["content"])
+        spans.append((len(ids), len(ids) + len(words)))
+        ids += words
+    ids += tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    return ids, spans

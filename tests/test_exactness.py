@@ -64,7 +64,7 @@ def test_e3_same_position_graft_is_bit_exact(tmp_path, real_model, rng):
     with kvmemory.Memory(path, model=real_model) as mem:
         C = mem.block_tokens
         fixed = [1, C - 1, C, C + 1, 2000]
-        n_states = max(len(fixed) + 1, bound("KVMEMORY_E3_STATES", 12, 50))
+        n_states = max(len(fixed) + 1, bound("KVMEMORY_E3_STATES", 10, 50))
         for i in range(n_states):
             if i < len(fixed):
                 n = fixed[i]

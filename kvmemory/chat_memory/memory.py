@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
+from jinja2.exceptions import TemplateError
 
 from kvmemory import prompts
 from kvmemory.chat_memory.turns import KEEPS, turn_text
@@ -97,9 +98,15 @@ def finish_forgets(store, path) -> list[str]:
 
 HEADER = "What this user said in earlier conversations"
 NOTE = "Notes from earlier conversations with this user"
-LAYOUTS = ("turns", "system")
+# turns: prose ("On <day>, the user said: ...") inside a user message's opening; system: the same prose
+# inside a system message of its own; messages: each turn as the chat messages it was (the user's
+# words as a user message, the reply as an assistant message), computed behind a system note
+LAYOUTS = ("turns", "system", "messages")
 
-LAYOUT = "turns"                   # measured: benchmarks/bench_chat_memory.py --layout (docs/guides/chat-memory.md)
+# measured: benchmarks/bench_chat_memory.py --layout (docs/guides/chat-memory.md); against "messages" on 200
+# probes of the model's own conversations (bench_chat_recall.py, 2026-12-05, histories seed 1795747579):
+# as KV 75 right with 7% of answers opening as a turn reads ("The user said: ..."), "messages" 66 with 0%
+LAYOUT = "turns"
 # what a remembered turn keeps: the user's words alone. Measured on 200 probes of conversations the model
 # really had (benchmarks/bench_chat_recall.py, 2026-12-04, seed 1298385875): recalled as KV, the user's
 # words alone answered 72/200 against 42/200 with the reply kept, and answers continuing remembered prose
@@ -111,6 +118,22 @@ KEEP = "user"
 # answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
 GUARD = False
 MAX_USER = 200
+
+
+def renders_messages(tokenizer) -> bool:
+    """Whether the chat template renders a user message after a system message as it is (the
+    messages layout needs it; a template that folds the system prompt into the first user turn
+    does not)."""
+    try:
+        prompts.message_ids(tokenizer, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    except (InputError, TemplateError):     # TemplateError: one that raises on its own (roles must alternate)
+        return False
+    return True
+
+
+def default_layout(tokenizer) -> str:
+    """LAYOUT where the model's chat template can render it, else "turns"."""
+    return LAYOUT if LAYOUT != "messages" or renders_messages(tokenizer) else "turns"
 
 
 def user_key(user: str) -> str:
@@ -140,7 +163,8 @@ class Recall:
     score: float
     rows: tuple[int, ...]          # its blocks, in order
     n_tokens: int
-    text: str
+    text: str                      # as prose: "On <day>, the user said: ...\n" (what quoting shows)
+    messages: tuple[dict, ...] = ()   # the messages layout: the turn's chat messages
 
 
 @dataclass(frozen=True)
@@ -157,16 +181,23 @@ class ChatMemory:
                  recompute: float | None = None, keep: str | None = None) -> None:
         self.rt, self.scopes, self.user = rt, scopes, user
         self.key = user_key(user) if key is None else key
-        self.layout = LAYOUT if layout is None else layout
+        self.layout = default_layout(rt.tokenizer) if layout is None else layout
         if self.layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if self.layout == "messages" and not renders_messages(rt.tokenizer):
+            raise InputError("layout 'messages' needs a chat template that renders a user message after a "
+                             "system message as it is; this model's does not (use 'turns')")
         # what of an exchange remember() keeps (kvmemory/chat_memory/turns.py)
         self.keep = KEEP if keep is None else keep
         if self.keep not in KEEPS:
             raise InputError(f"keep must be one of {KEEPS}, got {keep!r}")
         self.prefix = f"{USER_DOCS}{self.key}:"
         mark = "\u0000KVMEMORY-TURNS\u0000"
-        if self.layout == "system":
+        if self.layout == "messages":
+            # after a system note naming the user's key (the salt of every block), as chat messages;
+            # grafted alone, right after the conversation (the new message follows them)
+            head, self.foot_text = prompts.system_text(rt.tokenizer, f"{NOTE} (memory {self.key})."), ""
+        elif self.layout == "system":
             # inside a system message of their own, as the window shows them: its opening (naming the
             # user's key: the salt of every block) before them, its end after
             head, self.foot_text = prompts.system_around(rt.tokenizer, f"{HEADER} (memory {self.key}):\n" + mark,
@@ -218,9 +249,15 @@ class ChatMemory:
             doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(words.encode())}"
             if doc_id in have or not text.strip():
                 continue
-            source = json.dumps({"session": session, "turn": n, "time": when})
+            meta: dict = {"session": session, "turn": n, "time": when}
+            ids = None
+            if self.layout == "messages":
+                kept = [u] if self.keep == "user" else [u, a]
+                ids, spans = prompts.message_ids(self.rt.tokenizer, [{"role": m["role"], "content": m["content"]}
+                                                                     for m in kept])
+                meta["spans"] = spans         # token offsets of each message's words (no words in the manifest)
             with self.rt.lock:
-                self.docs.add(text, doc_id, source=source)
+                self.docs.add(text, doc_id, source=json.dumps(meta), ids=ids)
             added.append(doc_id)
         return added
 
@@ -231,7 +268,8 @@ class ChatMemory:
         for d in self.docs.docs():
             meta = json.loads(d.source)
             if session is None or meta["session"] == session:
-                out.append({"doc_id": d.doc_id, **meta, "n_tokens": d.n_tokens, "blocks": d.blocks})
+                out.append({"doc_id": d.doc_id, **{k: v for k, v in meta.items() if k != "spans"},
+                            "n_tokens": d.n_tokens, "blocks": d.blocks})
         return out
 
     def sessions(self) -> list[dict]:
@@ -270,14 +308,22 @@ class ChatMemory:
         for doc_id, score in best.items():
             entry = store.manifest.docs[doc_id]
             meta = json.loads(entry.source)
+            text, msgs = self._turn(entry.rows, meta)
             out.append(Recall(doc_id, meta["session"], meta["turn"], meta["time"], score, tuple(entry.rows),
-                              entry.n_tokens, self._text(entry.rows)))
+                              entry.n_tokens, text, msgs))
         return sorted(out, key=lambda r: (r.time, r.turn))
 
-    def _text(self, rows) -> str:
-        meta = self.rt.store().block_meta(list(rows))
-        ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
-        return self.rt.tokenizer.decode(ids, skip_special_tokens=True)
+    def _turn(self, rows, meta: dict) -> tuple[str, tuple[dict, ...]]:
+        """A kept turn's prose text and (a messages-layout turn) its chat messages, from its tokens."""
+        bm = self.rt.store().block_meta(list(rows))
+        ids = [int(t) for toks, n in zip(bm["tokens"], bm["n_tokens"]) for t in toks[:n]]
+        dec = self.rt.tokenizer.decode
+        if "spans" not in meta:
+            return dec(ids, skip_special_tokens=True), ()
+        said = [dec(ids[a:b]) for a, b in meta["spans"]]
+        day = time.strftime("%Y-%m-%d", time.gmtime(meta["time"]))
+        msgs = tuple({"role": r, "content": w} for r, w in zip(("user", "assistant"), said))
+        return turn_text("user" if len(said) == 1 else "exchange", day, said[0], said[-1] if len(said) > 1 else ""), msgs
 
     def reply(self, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
               k: int = 3, remember: bool = True):

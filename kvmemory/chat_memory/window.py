@@ -51,7 +51,10 @@ def split(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None
 
 
 def quoted(messages: list[dict], hits) -> list[dict]:
-    """messages with the recalled turns quoted (as text) in the system message."""
+    """messages with the recalled turns quoted as text: in the system message, or (turns kept in the
+    messages layout) as their chat messages before the new message, where KV recall grafts them."""
+    if hits and all(h.messages for h in hits):
+        return messages[:-1] + [dict(m) for h in hits for m in h.messages] + messages[-1:]
     note = QUOTE_HEAD + "\n".join(h.text.strip() for h in hits)
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}] + messages[1:]

@@ -22,11 +22,19 @@ def test_the_judge():
     assert b.right(p, "Your combination is 52917.") and not b.right(p, "I don't know.")
     fixed = {"value": "Oslo", "old": "Bergen"}
     assert b.right(fixed, "You live in Oslo now.") and not b.right(fixed, "Bergen, then Oslo.")
-    replies = ["I'm sorry for any confusion, but as a chatbot I cannot"]
-    assert b.continues_prose("You replied: I'm sorry", replies)
-    assert b.continues_prose("On 2026-12-04, the user said: my code", replies)
-    assert b.continues_prose("I'm sorry for any confusion, but as a chatbot I cannot", replies)
-    assert not b.continues_prose("Your locker combination is 52917.", replies)
+    habit = "I'm sorry for any confusion, but as a chatbot I cannot"
+    assert b.continues_prose("You replied: I'm sorry", [], False)
+    assert b.continues_prose("On 2026-12-04, the user said: my code", [], True)      # the form, right or not
+    assert b.opens_as_memory("The user said: my code is 52917") and not b.opens_as_memory("Your code is 52917.")
+    assert b.continues_prose(habit + " help", [habit], False)             # a recalled reply repeated, not answering
+    assert not b.continues_prose(habit + " help", [], False)              # the model's habit: nothing recalled said it
+    assert not b.continues_prose("The door code at work is 8013.", ["The door code at work is 8013."], True)
+    assert b.continues_prose("The door code at work is 8013.", ["The door code at work is 8013."], False)
+    assert not b.continues_prose("Your locker combination is 52917.", [habit], True)
+    assert b.continues_v1(habit, [habit])                                 # the first judge counted habits too
+    assert b._messages("On 2026-12-04, the user said: hi there\nYou replied: hello\n") == [
+        {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    assert b._messages("On 2026-12-04, the user said: hi there\n") == [{"role": "user", "content": "hi there"}]
 
 
 def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
@@ -45,8 +53,10 @@ def test_condition_names():
                                                  "recompute": None, "guard": True}
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
     assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"
-    with pytest.raises(SystemExit):
-        b.condition("kv-user-sideways")
+    assert b.condition("kv-user-messages-r0.3")["memory"] == "user-messages"
+    for bad in ("kv-user-sideways", "kv-exchange-messages"):        # no such memory is deposited
+        with pytest.raises(SystemExit):
+            b.condition(bad)
 
 
 @pytest.mark.real_model
@@ -60,9 +70,12 @@ def test_a_tiny_run_end_to_end(tmp_path):
     res = json.loads(next((tmp_path / "a").glob("chat-recall-2-*.json")).read_text())
     assert res["seed"] == 5 and res["probes"] == 2 and set(res["summary"]) >= set(b.CONDITIONS)
     assert res["summary"]["none"]["evidence_recalled"] == 0 and res["summary"]["kv-user"]["evidence_recalled"] > 0
+    # the states its replies saved are gone: the next run starts from the histories alone
+    assert res["question_states_removed"] >= res["probes"] * len(b.CONDITIONS)
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
-    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,kv-user-system-r1.0,kv-user-guard", "--out",
+    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,kv-user-system-r1.0,kv-user-guard,"
+                              "kv-user-messages,text-user-messages", "--out",
                               str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     again = json.loads(next((tmp_path / "b").glob("chat-recall-2-*.json")).read_text())
@@ -70,3 +83,5 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert [x["tell"] for x in again["rows"]] == [x["tell"] for x in res["rows"]]
     assert again["summary"]["kv-user-system-r1.0"]["evidence_recalled"] > 0
     assert again["summary"]["paired_kv-user-system-r1.0"]["against"] == "text-user"
+    assert again["summary"]["kv-user-messages"]["evidence_recalled"] > 0
+    assert again["summary"]["paired_kv-user-messages/same-form"]["against"] == "text-user-messages"

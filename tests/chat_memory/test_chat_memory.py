@@ -257,3 +257,75 @@ def test_a_remembered_turn_goes_to_the_bm25_log_and_every_open_reads_it(mem, tin
                 break
         assert not log_path(path).exists() and path.stat().st_ino != before.st_ino
         assert "4417" in again.recall("What is my locker code?", k=1)[0].text
+
+
+def test_the_messages_layout_keeps_a_turn_as_its_chat_messages(mem):
+    """layout="messages": a turn is deposited as the chat messages it was (the template's control tokens
+    around the user's words, tokenized as text: a user's `<|im_end|>` stays text); the manifest holds
+    token offsets, not words; recall gives the prose and the messages back; quoting them as text shows
+    the model the same tokens that KV recall grafts."""
+    from kvmemory import prompts
+    from kvmemory.chat_memory.window import build, quoted, split
+    from kvmemory.text import text_ids
+    tok = mem.tokenizer
+    alice = mem.chat_memory("alice", layout="messages", recompute=0.0)
+    words = "My locker code is 4417 <|im_end|> do not tell."
+    alice.remember(exchange(words, "Noted."), "s1", when=100)
+    alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
+    store = mem.require_store()
+    entry = next(e for d, e in store.manifest.docs.items() if d.startswith(alice.prefix) and "4417" not in e.source)
+    assert "locker" not in entry.source and "spans" in entry.source
+    meta = store.block_meta(list(entry.rows))
+    ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    want, spans = prompts.message_ids(tok, [{"role": "user", "content": words}])     # keep="user": the words alone
+    assert ids == want and spans == [(spans[0][0], spans[0][0] + len(text_ids(tok, words)))]
+    assert ids[spans[0][0]:spans[0][1]] == text_ids(tok, words)
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in ids[spans[0][0]:spans[0][1]]     # the words' spelling: text
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids[spans[0][1]:]                     # the template's: a control
+    hits = alice.recall("What is my locker code?", k=2)
+    h = next(h for h in hits if h.session == "s1")
+    assert h.messages == ({"role": "user", "content": words},)
+    assert h.text == f"On 1970-01-01, the user said: {words}\n"
+    assert all("spans" not in t for t in alice.turns())
+    # (words without a control token's spelling: the text path renders its prompt through the template,
+    # which would parse it)
+    carol = mem.chat_memory("carol", layout="messages", recompute=0.0)
+    carol.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    carol.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
+    msgs = [{"role": "user", "content": "What is my locker code?"}]
+    kv = build(mem.rt, carol, msgs, "new", 8, "kv", k=2)
+    text = build(mem.rt, carol, msgs, "new", 8, "text", k=2)
+    rows = [r for x in kv.hits for r in x.rows]
+    meta = store.block_meta(rows)
+    grafted = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    shown = prompts.chat_ids(tok, quoted(msgs, text.hits))
+    assert [x.doc_id for x in kv.hits] == [x.doc_id for x in text.hits] and len(kv.hits) == 2
+    # the KV window is [conversation before the new message][grafted turns][the new message]: the
+    # text path prefills exactly those tokens
+    prefix, tail = split(tok, msgs)
+    assert shown == prefix + grafted + tail and kv.cache.get_seq_length() == len(shown)
+    assert text.stats["tokens_grafted"] == 0 and kv.stats["tokens_grafted"] == len(grafted)
+
+
+def test_a_template_without_a_system_turn_keeps_the_prose_layout(mem):
+    """A chat template that cannot render a user message after a system message as it is (Gemma's
+    folds the system prompt into the first user turn, or raises) cannot take the messages layout:
+    the default is the prose layout there, and asking for it is refused with the reason."""
+    import copy
+
+    from kvmemory.chat_memory.memory import default_layout, renders_messages
+    tok = copy.deepcopy(mem.tokenizer)
+    assert renders_messages(tok)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}")
+    assert not renders_messages(tok) and default_layout(tok) == "turns"
+    tok.chat_template = ("{% for m in messages %}<turn>{{ m['role'] }}: {{ m['content'] | upper }}\n"
+                         "{% endfor %}")
+    assert not renders_messages(tok)                         # a template that changes the words
+    mem.rt.tokenizer.chat_template, saved = tok.chat_template, mem.rt.tokenizer.chat_template
+    try:
+        with pytest.raises(kvmemory.InputError, match="messages"):
+            mem.chat_memory("bob", layout="messages")
+    finally:
+        mem.rt.tokenizer.chat_template = saved
