@@ -135,18 +135,19 @@ def continues_prose(answer: str, shown: list[str], is_right: bool) -> bool:
     recalled user's message or reply (`shown`). An opening the model has without them (its habit: "I'm
     sorry for any confusion, ...") is not a repetition of memory, nor is a right answer that quotes the
     user's own sentence ("The door code at work is 8013.")."""
-    if opens_as_memory(answer):
-        return True
-    a = answer.strip().casefold()
-    return not is_right and any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in shown)
+    return opens_as_memory(answer) or (not is_right and repeats(answer, shown))
 
 
 def continues_v1(answer: str, replies: list[str]) -> bool:
     """The first judge (results before 2026-12-05-e): any of the user's remembered replies repeated,
     recalled or not, right or not (so the model's own habits counted too)."""
+    return opens_as_memory(answer) or repeats(answer, replies)
+
+
+def repeats(answer: str, texts: list[str]) -> bool:
+    """The answer opens with the first 20 characters of one of `texts` (those of 20 or more)."""
     a = answer.strip().casefold()
-    return opens_as_memory(answer) or any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20])
-                                          for r in replies)
+    return any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in texts)
 
 
 def make_probes(rng: random.Random, n: int) -> list[dict]:
@@ -236,16 +237,13 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
                  + (p.get("fix") or p["tell"])}] + msgs
         base = "none"
-    saved = cm.foot_text
+    # (cm is this question's own object: mem.chat_memory makes a new one a call)
     if cond["end"] or cond["head"]:
         cm.foot_text = "<|im_end|>\n"
     if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
         cm.graft_head = True
     cm.guard = cond["guard"]
-    try:
-        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
-    finally:
-        cm.foot_text = saved
+    text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
     if cond["base"] == "oracle":
         shown = [p.get("fix") or p["tell"]]
@@ -348,9 +346,10 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
             continue
         # against quoting the same turns in the system message (text-<keep>), and against quoting them
         # in the same form (text-<memory>: the same window prefilled) where that differs
-        for key, text in ((f"paired_{kv}", "text-" + cond["memory"].split("-")[0]),
-                          (f"paired_{kv}/same-form", "text-" + cond["memory"])):
-            if text in conds and not (key.endswith("same-form") and text == "text-" + cond["memory"].split("-")[0]):
+        quoting, same = "text-" + cond["memory"].split("-")[0], "text-" + cond["memory"]
+        pairs = {f"paired_{kv}": quoting, **({f"paired_{kv}/same-form": same} if same != quoting else {})}
+        for key, text in pairs.items():
+            if text in conds:
                 out[key] = {"against": text, "kv_only": sum(r[kv]["right"] and not r[text]["right"] for r in rows),
                             "text_only": sum(r[text]["right"] and not r[kv]["right"] for r in rows)}
     return out

@@ -80,8 +80,7 @@ def chain_ends(src: BlockStore) -> list[int]:
 def chain_kl(model, src: BlockStore, enc, rows: list[int]) -> tuple[float, float, bool]:
     """(KL, max |logit diff|, same greedy token) of the next-token distribution at the end of a chain:
     its last token over the exact KV of the tokens before it vs over that KV encoded and decoded."""
-    meta = src.block_meta(rows)
-    ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    ids = src.token_ids(rows)
     if len(ids) < 2:
         return 0.0, 0.0, True            # no KV before the last token: nothing encoded to measure
     exact = src.read_state_kv(rows)

@@ -136,6 +136,11 @@ def default_layout(tokenizer) -> str:
     return LAYOUT if LAYOUT != "messages" or renders_messages(tokenizer) else "turns"
 
 
+def _day(when: float) -> str:
+    """The date a remembered turn carries (questions of time need it): UTC, YYYY-MM-DD."""
+    return time.strftime("%Y-%m-%d", time.gmtime(when))
+
+
 def user_key(user: str) -> str:
     """A user's key in the store (a hash: user names never appear in file or doc names)."""
     if not isinstance(user, str) or not user or len(user) > MAX_USER or not user.isprintable():
@@ -242,8 +247,7 @@ class ChatMemory:
                 continue
             n += 1
             # the date is part of what is kept: questions of time ("which came first?") need it
-            day = time.strftime("%Y-%m-%d", time.gmtime(when))
-            text = turn_text(self.keep, day, u["content"], a["content"])
+            text = turn_text(self.keep, _day(when), u["content"], a["content"])
             # the exchange's words name it (not its date): a conversation resent on another day is kept once
             words = f"{u['content']}\u0000{a['content']}"
             doc_id = f"{self.prefix}{session_key(session)}:{xxhash.xxh3_64_hexdigest(words.encode())}"
@@ -253,8 +257,7 @@ class ChatMemory:
             ids = None
             if self.layout == "messages":
                 kept = [u] if self.keep == "user" else [u, a]
-                ids, spans = prompts.message_ids(self.rt.tokenizer, [{"role": m["role"], "content": m["content"]}
-                                                                     for m in kept])
+                ids, spans = prompts.message_ids(self.rt.tokenizer, kept)
                 meta["spans"] = spans         # token offsets of each message's words (no words in the manifest)
             with self.rt.lock:
                 self.docs.add(text, doc_id, source=json.dumps(meta), ids=ids)
@@ -315,15 +318,14 @@ class ChatMemory:
 
     def _turn(self, rows, meta: dict) -> tuple[str, tuple[dict, ...]]:
         """A kept turn's prose text and (a messages-layout turn) its chat messages, from its tokens."""
-        bm = self.rt.store().block_meta(list(rows))
-        ids = [int(t) for toks, n in zip(bm["tokens"], bm["n_tokens"]) for t in toks[:n]]
+        ids = self.rt.store().token_ids(rows)
         dec = self.rt.tokenizer.decode
         if "spans" not in meta:
             return dec(ids, skip_special_tokens=True), ()
         said = [dec(ids[a:b]) for a, b in meta["spans"]]
-        day = time.strftime("%Y-%m-%d", time.gmtime(meta["time"]))
         msgs = tuple({"role": r, "content": w} for r, w in zip(("user", "assistant"), said))
-        return turn_text("user" if len(said) == 1 else "exchange", day, said[0], said[-1] if len(said) > 1 else ""), msgs
+        keep, reply = ("user", "") if len(said) == 1 else ("exchange", said[1])
+        return turn_text(keep, _day(meta["time"]), said[0], reply), msgs
 
     def reply(self, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
               k: int = 3, remember: bool = True):

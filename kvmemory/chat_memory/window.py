@@ -119,8 +119,7 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     r = min(1.0, cm.recompute * grafted / (len(prefix_ids) + grafted)) if grafted else 0.0
 
     def ctx_ids():
-        meta = rt.store().block_meta(rows)
-        return list(prefix_ids) + [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+        return list(prefix_ids) + rt.store().token_ids(rows)
     done = graft.prefill_tail(rt, kv, foot, recompute=r, ctx_ids=ctx_ids, exact_tokens=len(prefix_ids))
     cache, logits, recomputed = done.cache, done.logits, done.recomputed
     window = cache.get_seq_length()

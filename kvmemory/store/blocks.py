@@ -281,6 +281,11 @@ class BlockStore(CommitMixin, GcMixin):
             dict.__setitem__(out, name, buf)
         return out
 
+    def token_ids(self, rows: Sequence[int]) -> list[int]:
+        """The token ids the given committed rows hold, in order (each block's valid tokens)."""
+        meta = self.block_meta(rows)
+        return [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
         try:
             return self._arr[name][start:stop]
