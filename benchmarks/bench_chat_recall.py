@@ -5,8 +5,10 @@ closed and reopened, and the user asks for the fact in a new session, in another
 Every assistant turn is the model's reply through ChatMemory.reply, the path users take. Facts come
 in many phrasings: asked to be remembered, said in passing, corrected in a later session (the latest
 value is right, the old one wrong). Distractor sessions (small talk, the model replying) sit between,
-and scripted small talk can pad a user's history to --history-tokens (deposited with remember(),
-no generation).
+and scripted sessions can pad a user's history to --history-tokens (the user pastes a paragraph of
+real prose, a standard-library docstring, and asks about it; deposited with remember(), no
+generation). --memories chooses what the histories are kept in (the first replies while they are
+built): --memories user is a quarter of the deposits, for long histories.
 
 Conditions, side by side on the same histories and questions:
 
@@ -24,7 +26,9 @@ Variants of a kv condition are named by suffixes: -system (the turns deposited a
 turns were computed behind, a system note and a user message's opening, grafted before them and the
 message closed after them), -end (closed with <|im_end|>), -rF (F of the grafted tokens recomputed,
 CacheBlend; default ChatMemory's), -guard (the reply kept from opening as a remembered turn reads,
-kvmemory/chat_memory/guard.py; text conditions take it too), e.g.
+kvmemory/chat_memory/guard.py; text conditions take it too), -inline (grafted inside the window's
+system message, where quoting puts the turns: ChatMemory.place = "system"), -nl (text: the last
+quoted turn keeps its newline, as the turns a system-placed graft holds do), e.g.
 kv-user-system-r0.6. --store DIR keeps the histories (the store and the probes) and reuses them: the
 conditions of several runs are then paired on the same conversations.
 
@@ -54,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qa import wilson  # noqa: E402
+from haystack import paragraphs  # noqa: E402
 from common import add_common_args, finish, plot, seed_of, write_json  # noqa: E402
 
 NAMES = ["Ingrid", "Tomas", "Aiko", "Mateo", "Leila", "Oskar", "Priya", "Jonas", "Freya", "Ravi", "Elena", "Nils",
@@ -180,30 +185,34 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard)?", c)
+                     r"(-guard)?(-inline)?(-nl)?", c)
     if m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
-                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard] "
+                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard][-inline][-nl] "
                          f"(memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
-            "guard": bool(m.group(7))}
+            "guard": bool(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9))}
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
-    """The user says `text` in `session`; the model replies through the default memory (remembered
-    there); the same exchange is remembered by the other keeps. Returns the reply."""
-    reply, _ = cms["exchange"].reply([{"role": "user", "content": text}], session=session,
-                                     max_new_tokens=max_new_tokens)
-    for keep, cm in cms.items():
-        if keep != "exchange":
-            cm.remember([{"role": "user", "content": text}, {"role": "assistant", "content": reply}], session)
+    """The user says `text` in `session`; the model replies through the first memory (remembered
+    there: "exchange" where it is kept); the same exchange is remembered by the others. Returns the reply."""
+    first, *others = cms.values()
+    reply, _ = first.reply([{"role": "user", "content": text}], session=session, max_new_tokens=max_new_tokens)
+    for cm in others:
+        cm.remember([{"role": "user", "content": text}, {"role": "assistant", "content": reply}], session)
     return reply
 
 
-def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, list[str]]:
-    cms = {k: mem.chat_memory(name + sfx, keep=keep, layout=layout) for k, (sfx, keep, layout) in MEMORIES.items()}
+PAD_ASKS = ("Can you explain this to me?", "What does this mean?", "I read this today, thoughts?",
+            "Summarise this for me please:", "Is this right?")
+
+
+def history(rng, mem, name: str, probes: list[dict], args, bar, pad_text=()) -> tuple[dict, list[str]]:
+    cms = {k: mem.chat_memory(name + MEMORIES[k][0], keep=MEMORIES[k][1], layout=MEMORIES[k][2])
+           for k in args.memories.split(",")}
     replies, s = [], 0
     events = [("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
     rng.shuffle(events)
@@ -216,13 +225,19 @@ def history(rng, mem, name: str, probes: list[dict], args, bar) -> tuple[dict, l
             s += 1
         if bar is not None:
             bar.update(1)
-    pad, i = 0, 0
-    while pad < args.history_tokens:                  # scripted small talk, remembered without generation
-        ex = [{"role": "user", "content": f"{rng.choice(SMALL_TALK)} (club note {rng.randrange(10**6)})"},
+    # scripted sessions, remembered without generation: the user pastes a paragraph of real prose (the
+    # standard library's docstrings) and asks about it; the reply is scripted
+    first = next(iter(cms.values()))
+    pad, i = sum(x["tokens"] for x in first.sessions()), 0
+    docs = mem.rt.store().manifest.docs
+    while pad < args.history_tokens:
+        ex = [{"role": "user", "content": f"{rng.choice(PAD_ASKS)} {rng.choice(pad_text)}"},
               {"role": "assistant", "content": "Happy to help with that."}]
         for cm in cms.values():
-            cm.remember(ex, f"pad{i}")
-        pad = sum(x["tokens"] for x in cms["exchange"].sessions())
+            added = cm.remember(ex, f"pad{i}")
+            if cm is first:
+                pad += sum(docs[d].n_tokens for d in added) if added else 0
+                docs = mem.rt.store().manifest.docs
         i += 1
     return cms, replies
 
@@ -243,7 +258,14 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
         cm.graft_head = True
     cm.guard = cond["guard"]
-    text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
+    if cond["inline"]:        # grafted inside the window's system message, where quoting puts the turns
+        cm.place = "system"
+    from kvmemory.chat_memory import window
+    window.QUOTE_END = "\n" if cond["nl"] else ""
+    try:
+        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
+    finally:
+        window.QUOTE_END = ""
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
     if cond["base"] == "oracle":
         shown = [p.get("fix") or p["tell"]]
@@ -271,20 +293,24 @@ def histories(args, seed: int) -> tuple[Path, dict]:
     path, saved = root / "m.kvm", root / "histories.json"
     if saved.is_file():
         got = json.loads(saved.read_text())
+        got.setdefault("memories", ",".join(MEMORIES))      # a store kept before --memories: all of them
         print(f"reusing the histories in {root} (seed {got['seed']})", file=sys.stderr)
         return path, got
     rng = random.Random(seed)
     users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts) for i in range(args.users)}
     bar = _bar(sum(len(p) + sum(x["old"] is not None for x in p) for p in users.values()), "conversations")
     replies: dict[str, list[str]] = {}
+    tokens: dict[str, int] = {}
     t0 = time.perf_counter()
+    pad_text = paragraphs(random.Random(seed), min_chars=300) if args.history_tokens else ()
     with kvmemory.Memory(path) as mem:
         for name, probes in users.items():
-            _, replies[name] = history(rng, mem, name, probes, args, bar)
-        tokens = {name: sum(x["tokens"] for x in mem.chat_memory(name, keep="exchange").sessions()) for name in users}
+            cms, replies[name] = history(rng, mem, name, probes, args, bar, pad_text)
+            tokens[name] = sum(x["tokens"] for x in next(iter(cms.values())).sessions())
     if bar is not None:
         bar.close()
-    got = {"users": users, "replies": replies, "tokens": tokens, "history_s": time.perf_counter() - t0, "seed": seed}
+    got = {"users": users, "replies": replies, "tokens": tokens, "history_s": time.perf_counter() - t0, "seed": seed,
+           "memories": args.memories}
     if args.store:
         write_json(saved, got)
     return path, got
@@ -292,11 +318,19 @@ def histories(args, seed: int) -> tuple[Path, dict]:
 
 def run(args, seed: int) -> dict:
     import kvmemory
+    conds = args.conditions.split(",")
+    saved = Path(args.store) / "histories.json" if args.store else None
+    kept = (json.loads(saved.read_text()).get("memories", ",".join(MEMORIES)) if saved and saved.is_file()
+            else args.memories).split(",")
+    if not kept or any(k not in MEMORIES for k in kept):
+        raise SystemExit(f"--memories: {','.join(kept)!r} is not a list of {', '.join(MEMORIES)}")
+    for c in conds:                                   # before any history is built
+        cond = condition(c)
+        if cond["base"] in ("text", "kv") and cond["memory"] not in kept:
+            raise SystemExit(f"--conditions: {c!r} needs the memory {cond['memory']!r}; the histories keep "
+                             f"{', '.join(kept)} (--memories)")
     path, h = histories(args, seed)
     users, replies, tokens, history_s = h["users"], h["replies"], h["tokens"], h["history_s"]
-    conds = args.conditions.split(",")
-    for c in conds:
-        condition(c)
     rows = []
     bar = _bar(sum(len(p) for p in users.values()) * len(conds), "questions")
     with kvmemory.Memory(path) as mem:                # reopened: what a restart sees
@@ -308,7 +342,7 @@ def run(args, seed: int) -> dict:
                     if bar is not None:
                         bar.update(1)
                 rows.append(row)
-        forgotten = undo_questions(mem, users)
+        forgotten = undo_questions(mem, users, kept)
     if bar is not None:
         bar.close()
     return {"users": len(users), "probes": len(rows), "question_states_removed": forgotten, "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
@@ -316,13 +350,13 @@ def run(args, seed: int) -> dict:
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
 
 
-def undo_questions(mem, users) -> int:
+def undo_questions(mem, users, kept=tuple(MEMORIES)) -> int:
     """Forget the states the questions saved (each reply saves its conversation, session "ask") and gc
     their bytes: a later run on the same --store starts from the histories alone (quoting's prefixes
     are not restored from an earlier run, and ~12 MB a reply does not pile up). Returns the states."""
     n = 0
     for name in users:
-        for sfx, keep, layout in MEMORIES.values():
+        for sfx, keep, layout in (MEMORIES[k] for k in kept):
             n += mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
     mem.gc(grace_s=0)
     return n
@@ -385,7 +419,11 @@ def main() -> int:
     ap.add_argument("--facts", type=int, default=20, help=f"facts a user tells (at most {len(FACTS)} kinds)")
     ap.add_argument("--distractors", type=int, default=1, help="small-talk sessions after each telling")
     ap.add_argument("--history-tokens", type=int, default=0,
-                    help="pad each user's history with scripted small talk to this many tokens")
+                    help="pad each user's history to this many tokens with scripted sessions (the user "
+                         "pastes a paragraph of real prose and asks about it)")
+    ap.add_argument("--memories", default=",".join(MEMORIES),
+                    help=f"the memories each history is kept in (of {', '.join(MEMORIES)}; the first replies): "
+                         "fewer is faster to build")
     ap.add_argument("--reply-tokens", type=int, default=32, help="the model's replies in the history")
     ap.add_argument("--answer-tokens", type=int, default=24)
     ap.add_argument("--conditions", default=",".join(CONDITIONS),

@@ -54,12 +54,23 @@ def greedy(model, cache, logits: torch.Tensor | None, max_new_tokens: int, eos: 
     return new
 
 
+def tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(x / T) of float32 logits [vocab], T > 0. A temperature so small that x / T overflows (a
+    subnormal one, 5e-324, is a valid request) gives its limit instead of NaN: the mass shared by the
+    tokens of the largest logit (what softmax(x / T) rounds to there for every T small enough)."""
+    probs = torch.softmax(x / temperature, dim=-1)
+    if bool(torch.isfinite(probs).all()):
+        return probs
+    top = (x == x.max()).float()
+    return top / top.sum()
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: torch.Generator | None = None) -> int:
     """One token of logits [vocab]: argmax at temperature 0; otherwise drawn from softmax(logits / T)
     restricted to the top_p nucleus (the most likely token is always kept), with `gen` (CPU) if given."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    probs = tempered(logits.float().cpu(), temperature)
     if top_p < 1.0:
         p, idx = probs.sort(descending=True)
         keep = p.cumsum(0) - p < top_p
@@ -120,7 +131,7 @@ class Sampler:
         if self.temperature == 0:
             tok = int(x.argmax())
         else:
-            probs = torch.softmax(x / self.temperature, dim=-1)
+            probs = tempered(x, self.temperature)
             if 0 < self.top_k < len(probs):
                 probs[probs < probs.topk(self.top_k).values[-1]] = 0
             if self.min_p > 0:

@@ -14,6 +14,7 @@ import torch
 from kvmemory import kv as kvops
 from kvmemory.batching import Batcher, forward_many, llama_like, reserve, room_of, serving, step
 from kvmemory.decode import greedy, sampler
+from kvmemory.model.invariant import InvariantUnavailableError
 
 
 def _prefill(model, ids):
@@ -905,7 +906,10 @@ def test_the_real_model_in_bfloat16_decodes_every_greedy_reply_batched_as_alone(
                             feed=prompts[i])
         _each_in_a_thread(len(prompts), run)
         return out
-    alone_b = Batcher(model, threading.RLock(), max_batch=1, invariant_rows=True)
+    try:
+        alone_b = Batcher(model, threading.RLock(), max_batch=1, invariant_rows=True)
+    except InvariantUnavailableError as e:       # the server then says so and runs plain (test_dtype)
+        pytest.skip(f"invariant rows in bfloat16 on this machine: {e}")
     many_b = Batcher(model, threading.RLock(), max_batch=8, invariant_rows=True)
     try:
         out_alone = [None] * len(prompts)

@@ -49,3 +49,19 @@ def test_penalties_push_away_from_tokens_already_used():
     neg = torch.full((10,), -1.0)
     neg[7] = -0.5
     assert sampler(0.0, repetition_penalty=3.0, prompt=[7])(neg) != 7   # a negative logit multiplied: -1.5
+
+
+def test_a_vanishing_temperature_draws_the_largest_logit_not_nan():
+    """A subnormal temperature (5e-324 passes the API's 0..2 bound) overflows logits / T: the draw is
+    its limit, the largest logit's token (ties shared), through `sample` and the Sampler alike; an
+    ordinary temperature draws exactly what it drew before (softmax(logits / T))."""
+    from kvmemory.decode import tempered
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(5))
+    best = int(logits.argmax())
+    for t in (5e-324, 1e-45, 1e-300):
+        assert {sample(logits, t, 1.0, torch.Generator().manual_seed(s)) for s in range(10)} == {best}
+        assert {sampler(t, seed=s, top_k=50, presence_penalty=0.5)(logits) for s in range(10)} == {best}
+    tied = torch.zeros(8)
+    tied[[2, 6]] = 4.0
+    assert tempered(tied, 5e-324).tolist() == [0, 0, 0.5, 0, 0, 0, 0.5, 0]
+    assert torch.equal(tempered(logits, 0.7), torch.softmax(logits / 0.7, dim=-1))

@@ -117,6 +117,7 @@ KEEP = "user"
 # 448474438) recalled as KV it took answers continuing remembered prose from 13.0% to 5.0% but right
 # answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
 GUARD = False
+PLACE = "after"
 MAX_USER = 200
 
 
@@ -215,6 +216,9 @@ class ChatMemory:
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
         self.graft_head = self.layout == "system"
+        # where recalled turns are grafted (PLACE): "after" the conversation, or "system": inside its
+        # system message where quoting puts them (a session's first message; later ones: after)
+        self.place = PLACE
         # keep a Python reply from opening as a remembered turn reads (GUARD; kvmemory/chat_memory/guard.py)
         self.guard = GUARD
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,

@@ -5,8 +5,10 @@ same window):
     [the user's most relevant earlier turns: grafted as KV, re-rotated to follow it]   (as="kv")
     [the new message and the assistant's opening: prefilled]
 
-as="text" quotes the same recalled turns in the system message instead and prefills everything
-(the text-memory baseline, as mem0-style memories do); as="none" recalls nothing."""
+(ChatMemory.place "system": a session's first message gets them inside its system message instead,
+where quoting puts them.) as="text" quotes the same recalled turns in the system message and
+prefills everything (the text-memory baseline, as mem0-style memories do); as="none" recalls
+nothing."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from kvmemory.runtime import Runtime
 
 RECALL_TURNS = 3
 QUOTE_HEAD = "What this user said in earlier conversations:\n"     # the text baseline's heading
+# where recalled turns are grafted: after the conversation, or inside its system message (inline_parts)
+PLACES = ("after", "system")
+QUOTE_END = ""          # after the last quoted turn ("\n": the tokens a system-placed graft holds)
 
 
 @dataclass
@@ -50,15 +55,34 @@ def split(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None
     return ids[:-len(tail)], tail
 
 
-def quoted(messages: list[dict], hits) -> list[dict]:
+def quoted(messages: list[dict], hits, note: str | None = None) -> list[dict]:
     """messages with the recalled turns quoted as text: in the system message, or (turns kept in the
-    messages layout) as their chat messages before the new message, where KV recall grafts them."""
+    messages layout) as their chat messages before the new message, where KV recall grafts them.
+    note: the system message's addition as given (inline_parts' mark)."""
     if hits and all(h.messages for h in hits):
         return messages[:-1] + [dict(m) for h in hits for m in h.messages] + messages[-1:]
-    note = QUOTE_HEAD + "\n".join(h.text.strip() for h in hits)
+    if note is None:
+        note = QUOTE_HEAD + "\n".join(h.text.strip() for h in hits) + QUOTE_END
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}] + messages[1:]
     return [{"role": "system", "content": note}] + messages
+
+
+def inline_parts(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+    """(ids up to where quoting puts the recalled turns in the system message, ids after them to the
+    assistant's opening): place="system" grafts the turns there, so the window holds the tokens quoting
+    shows. None where the conversation has more than a system message before the new one (its
+    messages would be prefilled again after the turns: the turns then follow it)."""
+    if any(m["role"] != "system" for m in messages[:-1]):
+        return None
+    mark = "\u0000kvmemory-recalled\u0000"
+    text = tokenizer.apply_chat_template(quoted(messages, [], note=QUOTE_HEAD + mark), tokenize=False,
+                                         add_generation_prompt=True)
+    if text.count(mark) != 1:
+        return None
+    before, after = text.split(mark)
+    return (tokenizer(before, add_special_tokens=False)["input_ids"],
+            tokenizer(after, add_special_tokens=False)["input_ids"])
 
 
 def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
@@ -67,6 +91,8 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     own (they are in its prompt); `extra` are Recall objects to add (older turns of this session)."""
     if as_ not in ("kv", "text", "none"):
         raise InputError(f"recall as 'kv', 'text' or 'none', got {as_!r}")
+    if cm.place not in PLACES:
+        raise InputError(f"place is one of {PLACES}, got {cm.place!r}")
     t0 = time.perf_counter()
     hits = []
     if as_ != "none" and messages and messages[-1]["role"] == "user":
@@ -94,6 +120,10 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
         return Window(saved, cache, logits, cached, [prefix.id] if prefix is not None else [], hits,
                       _stats(hits, cached, 0, 0, len(ids) - cached, len(ids), recall_s))
     prefix_ids, tail = parts
+    saved = prefix_ids + tail
+    inline = inline_parts(rt.tokenizer, messages) if cm.place == "system" else None
+    if inline is not None:          # grafted inside the conversation's system message, as quoting shows them
+        prefix_ids, tail = inline
     while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + max_new_tokens > limit:
         hits = _drop_least(hits)
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
@@ -108,10 +138,11 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     # turn was computed behind), grafted with the turns, so each turn keeps its relative position
     # to it; the message's end and the new message are all that is prefilled
     head = []
-    if cm.graft_head:
+    if cm.graft_head and inline is None:
         _, last = cm.docs.prelude_state()
         head = rt.store().chain(last)
-    foot = (rt.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"] if cm.foot_text else []) + tail
+    foot = (rt.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"]
+            if cm.foot_text and inline is None else []) + tail
     rows = head + [r for h in hits for r in h.rows]
     kv, grafted, rerotated = graft.after(rt, prefix_kv, rows)
     # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
@@ -123,7 +154,7 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     done = graft.prefill_tail(rt, kv, foot, recompute=r, ctx_ids=ctx_ids, exact_tokens=len(prefix_ids))
     cache, logits, recomputed = done.cache, done.logits, done.recomputed
     window = cache.get_seq_length()
-    return Window(prefix_ids + tail, cache, logits, cached + grafted - recomputed, states, hits,
+    return Window(saved, cache, logits, cached + grafted - recomputed, states, hits,
                   _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot), window, recall_s,
                          recomputed))
 

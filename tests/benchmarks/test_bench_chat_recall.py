@@ -48,9 +48,11 @@ def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
 
 def test_condition_names():
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
-                                                   "end": False, "recompute": 0.6, "guard": False}
+                                                   "end": False, "recompute": 0.6, "guard": False, "inline": False,
+                                                   "nl": False}
     assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
-                                                 "recompute": None, "guard": True}
+                                                 "recompute": None, "guard": True, "inline": False, "nl": False}
+    assert b.condition("kv-user-system-r1.0-inline")["inline"] and b.condition("text-user-nl")["nl"]
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
     assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"
     assert b.condition("kv-user-messages-r0.3")["memory"] == "user-messages"
@@ -75,7 +77,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
     r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,kv-user-system-r1.0,kv-user-guard,"
-                              "kv-user-messages,text-user-messages", "--out",
+                              "kv-user-messages,text-user-messages,kv-user-inline", "--out",
                               str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     again = json.loads(next((tmp_path / "b").glob("chat-recall-2-*.json")).read_text())
@@ -85,3 +87,26 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert again["summary"]["paired_kv-user-system-r1.0"]["against"] == "text-user"
     assert again["summary"]["kv-user-messages"]["evidence_recalled"] > 0
     assert again["summary"]["paired_kv-user-messages/same-form"]["against"] == "text-user-messages"
+    assert again["summary"]["kv-user-inline"]["evidence_recalled"] > 0
+
+
+@pytest.mark.real_model
+def test_long_histories_kept_in_one_memory(tmp_path):
+    """--history-tokens pads each history with pasted prose; --memories user keeps it in one memory (the
+    first, which replies); a condition needing another memory is refused before any question."""
+    cmd = [sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "1", "--distractors", "0",
+           "--answer-tokens", "4", "--reply-tokens", "4", "--history-tokens", "1500", "--memories", "user",
+           "--store", str(tmp_path / "h"), "--seed", "7"]
+    r = subprocess.run(cmd + ["--conditions", "kv-user,text-user", "--out", str(tmp_path / "a")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(next((tmp_path / "a").glob("chat-recall-1-*.json")).read_text())
+    assert res["history_tokens_per_user"] >= 1500 and res["summary"]["kv-user"]["n"] == 1
+    kept = json.loads((tmp_path / "h" / "histories.json").read_text())
+    assert kept["memories"] == "user"
+    r = subprocess.run(cmd + ["--conditions", "kv-exchange", "--out", str(tmp_path / "b")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0 and "needs the memory 'exchange'" in r.stderr and not (tmp_path / "b").exists()
+    r = subprocess.run(cmd[:-4] + ["--store", str(tmp_path / "new"), "--memories", "user,nope"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0 and "--memories" in r.stderr and not (tmp_path / "new").exists()

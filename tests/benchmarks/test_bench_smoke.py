@@ -34,7 +34,7 @@ def test_bench_flat_access_reports_a_bounded_window(tmp_path):
 @pytest.mark.real_model
 def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     def run(tag):
-        return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "4",
+        return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "2",
                                "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
                                "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
                                "--generators", "mixed,records",

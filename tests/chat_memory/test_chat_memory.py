@@ -329,3 +329,49 @@ def test_a_template_without_a_system_turn_keeps_the_prose_layout(mem):
             mem.chat_memory("bob", layout="messages")
     finally:
         mem.rt.tokenizer.chat_template = saved
+
+
+def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, monkeypatch):
+    """place="system": a session's first message gets the recalled turns grafted inside its system
+    message, where quoting puts them (the conversation's system prompt, the quote's heading, the turns,
+    the message's end, the new message): the tokens quoting prefills, but for the last turn's newline
+    (which QUOTE_END="\n" keeps: then the very tokens).
+    A conversation with earlier messages grafts them after it (its prefix stays exact and reused)."""
+    from kvmemory import prompts
+    from kvmemory.chat_memory.window import build, inline_parts, quoted, split
+    tok = mem.tokenizer
+    alice = mem.chat_memory("alice", recompute=0.0)
+    assert alice.place == "after"
+    alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
+    alice.place = "system"
+    for msgs in ([{"role": "user", "content": "What is my locker code?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is my locker code?"}]):
+        kv = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+        text = build(mem.rt, alice, msgs, "new", 8, "text", k=2)
+        assert [h.doc_id for h in kv.hits] == [h.doc_id for h in text.hits] and len(kv.hits) == 2
+        grafted = mem.require_store().token_ids([r for h in kv.hits for r in h.rows])
+        before, after = inline_parts(tok, msgs)
+        assert kv.cache.get_seq_length() == len(before) + len(grafted) + len(after)
+        assert kv.stats["tokens_grafted"] == len(grafted)
+        shown = tok.decode(prompts.chat_ids(tok, quoted(msgs, text.hits)))
+        assert tok.decode(before + grafted + after) == shown.replace("<|im_end|>", "\n<|im_end|>", 1)
+        from kvmemory.chat_memory import window
+        monkeypatch.setattr(window, "QUOTE_END", "\n")       # the last turn's newline kept: the very tokens
+        assert prompts.chat_ids(tok, quoted(msgs, text.hits)) == before + grafted + after
+        monkeypatch.setattr(window, "QUOTE_END", "")
+        assert kv.ids == prompts.chat_ids(tok, msgs)          # what the session keeps: its own conversation
+    # earlier messages in the session: grafted after them, as place="after" does
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "What is my locker code?"}]
+    assert inline_parts(tok, msgs) is None
+    kv = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    alice.place = "after"
+    after = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    prefix, tail = split(tok, msgs)
+    assert kv.cache.get_seq_length() == after.cache.get_seq_length() == len(prefix) + kv.stats["tokens_grafted"] + len(tail)
+    assert kv.logits.equal(after.logits)
+    alice.place = "inside"
+    for as_ in ("kv", "text"):
+        with pytest.raises(kvmemory.InputError, match="place"):
+            build(mem.rt, alice, msgs, "new", 8, as_, k=2)
