@@ -229,15 +229,14 @@ def history(rng, mem, name: str, probes: list[dict], args, bar, pad_text=()) -> 
     # standard library's docstrings) and asks about it; the reply is scripted
     first = next(iter(cms.values()))
     pad, i = sum(x["tokens"] for x in first.sessions()), 0
-    docs = mem.rt.store().manifest.docs
     while pad < args.history_tokens:
         ex = [{"role": "user", "content": f"{rng.choice(PAD_ASKS)} {rng.choice(pad_text)}"},
               {"role": "assistant", "content": "Happy to help with that."}]
         for cm in cms.values():
             added = cm.remember(ex, f"pad{i}")
             if cm is first:
-                pad += sum(docs[d].n_tokens for d in added) if added else 0
                 docs = mem.rt.store().manifest.docs
+                pad += sum(docs[d].n_tokens for d in added)
         i += 1
     return cms, replies
 
@@ -293,7 +292,6 @@ def histories(args, seed: int) -> tuple[Path, dict]:
     path, saved = root / "m.kvm", root / "histories.json"
     if saved.is_file():
         got = json.loads(saved.read_text())
-        got.setdefault("memories", ",".join(MEMORIES))      # a store kept before --memories: all of them
         print(f"reusing the histories in {root} (seed {got['seed']})", file=sys.stderr)
         return path, got
     rng = random.Random(seed)
@@ -320,6 +318,7 @@ def run(args, seed: int) -> dict:
     import kvmemory
     conds = args.conditions.split(",")
     saved = Path(args.store) / "histories.json" if args.store else None
+    # the memories the histories are kept in: a kept store's (all of them for one kept before --memories)
     kept = (json.loads(saved.read_text()).get("memories", ",".join(MEMORIES)) if saved and saved.is_file()
             else args.memories).split(",")
     if not kept or any(k not in MEMORIES for k in kept):

@@ -9,6 +9,7 @@ import torch
 
 import kvmemory
 from kvmemory.errors import InputError, ModelMismatchError
+from kvmemory.prompts import chat_ids
 from tests.cli.test_cli import _one_line_error, run, saved
 from tests.test_exactness import _fresh_prefill
 
@@ -166,9 +167,7 @@ def test_the_real_model_in_bfloat16_answers_like_float32_where_float32_is_sure(t
     steps = 6
 
     def chat(tok, p):
-        return tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
-                                        {"role": "user", "content": p}], tokenize=True,
-                                       add_generation_prompt=True, return_dict=False)
+        return chat_ids(tok, [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": p}])
     with kvmemory.Memory(tmp_path / "f32.kvm", dtype="float32", cache_dir=cache_dir) as mem, torch.no_grad():
         ref = []                                  # (prompt ids, float32's greedy tokens, their probabilities)
         for p in prompts:
