@@ -5,14 +5,16 @@ are real on disk (distinct blocks with valid ids and digests, so every read is v
 real documents table and a real FAISS index (random unit vectors stand in for the text
 embeddings). Questions are drawn afresh from each store's own block texts (a few words of a
 random block, so BM25 has something to find) and asked with the real model, cold (page cache
-evicted before each question), at each --top-k, one answer token. The window's grafted
-tokens are reported next to the time: they are held to ask's max_context_tokens budget, so
-neither may grow with the store. ask runs at its defaults otherwise, the re-rank included: it
+evicted before each question), at each --top-k, one answer token, with ask's reread and
+without it (--reread on,off). The window's tokens (grafted, or re-read after its exact prefix)
+and the share of asks that re-read some are reported next to the time: the window is held to
+ask's max_context_tokens budget, so neither may grow with the store. ask runs at its defaults otherwise, the re-rank included: it
 runs only where the best block does not stand alone above the relevance cut, so its mean time
 and the share of asks it ran for are reported (--min-relevance 0: every ask re-ranks). Sizes
 that do not fit the free disk (with a 20% margin) are skipped and reported.
 
     python benchmarks/bench_flat_access.py --tokens 16384,131072,1048576 --top-k 2,8 --questions 30
+    python benchmarks/bench_flat_access.py --questions 20 --no-faiss --min-relevance 0 --top-k 2 --reread on,off
 """
 
 from __future__ import annotations
@@ -178,6 +180,9 @@ def main() -> None:
                     help="ask's relevance cut (default ask's); 0 grafts all top-k blocks, the window's worst case")
     ap.add_argument("--max-context-tokens", default=None,
                     help="comma-separated budgets of grafted tokens to compare (default ask's; 8192: none)")
+    ap.add_argument("--reread", default="on",
+                    help="comma-separated, of on and off: ask's reread (the tokens after the window's exact prefix "
+                         "prefilled over it; on is ask's default), side by side (default on)")
     ap.add_argument("--json", default=None, help="write the JSON here (default benchmarks/results/flat-DATE.json)")
     ap.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir)")
     ap.add_argument("--no-faiss", action="store_true", help="skip the flat-vs-IVF search measurement")
@@ -187,8 +192,10 @@ def main() -> None:
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="bench-flat-", dir=args.dir))
     from kvmemory.config import ASK_CONTEXT_TOKENS
-    ks = [(int(k), int(b)) for k in args.top_k.split(",")
-          for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",")]
+    rereads = [{"on": True, "off": False}[x] for x in args.reread.split(",")] if set(args.reread.split(",")) <= \
+        {"on", "off"} else ap.error(f"--reread takes on and off, got {args.reread!r}")
+    ks = [(int(k), int(b), rr) for k in args.top_k.split(",")
+          for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",") for rr in rereads]
     rng = np.random.default_rng()
     rows, skipped = [], []
     per_token = geometry(model).bytes_per_token
@@ -204,12 +211,13 @@ def main() -> None:
         mem = kvmemory.Memory(path, model=(model, tok))
         _ = mem.documents.embedder                  # load MiniLM before timing, like a warm service
         questions = draw_questions(mem, rng, args.questions)
-        for k, budget in ks:
-            kw = {"top_k": k, "max_new_tokens": 1, "max_context_tokens": budget, "min_relevance": args.min_relevance}
+        for k, budget, reread in ks:
+            kw = {"top_k": k, "max_new_tokens": 1, "max_context_tokens": budget, "min_relevance": args.min_relevance,
+                  "reread": reread}
             mem.ask(questions[0], **kw)     # warm model code paths
             parts = {"ask": [], "select": [], "rerank": [], "page_in": [], "first_token": [], "disk_read": [],
                      "other": []}
-            grafted, reranked = [], 0
+            window, reread_tokens, reranked = [], [], 0
             for q in tqdm(questions, desc=f"{n} tokens, k {k}, budget {budget}", disable=not sys.stderr.isatty()):
                 mem.rt.handle.drop_pager()                      # cold host tier ...
                 drop_from_page_cache(path)              # ... and cold page cache
@@ -226,31 +234,36 @@ def main() -> None:
                 # the rest: manifest refresh, question tokens, planning, stats
                 parts["other"].append(parts["ask"][-1] - (ts["select"] + ts["rerank"] + ts["page_in_and_graft"]
                                                           + ts["first_token"]) * 1e3)
-                grafted.append(a.stats["tokens_restored"] - len(mem.documents.prelude.ids))
+                # the window's context: grafted, or re-read after its exact prefix
+                window.append(a.stats["tokens_restored"] + a.stats["tokens_reread"] - len(mem.documents.prelude.ids))
+                reread_tokens.append(a.stats["tokens_reread"])
             q10, q90 = np.percentile(parts["ask"], [10, 90])
-            rows.append({"store_tokens": n, "top_k": k, "max_context_tokens": budget, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
+            rows.append({"store_tokens": n, "top_k": k, "max_context_tokens": budget, "reread": reread, "x_window": n / 8192, "blocks": -(-n // 256), "disk_bytes": disk,
                          "ask_ms_median": statistics.median(parts["ask"]), "ask_ms_p10": float(q10),
                          "ask_ms_p90": float(q90),
                          **{f"{key}_ms_median": statistics.median(v) for key, v in parts.items() if key != "ask"},
                          "rerank_ms_mean": statistics.fmean(parts["rerank"]), "reranked_share": reranked / len(questions),
-                         "grafted_tokens_median": statistics.median(grafted), "grafted_tokens_max": max(grafted),
+                         "window_tokens_median": statistics.median(window), "window_tokens_max": max(window),
+                         "reread_tokens_median": statistics.median(reread_tokens),
+                         "reread_share": sum(x > 0 for x in reread_tokens) / len(questions),
                          "ask_ms_all": parts["ask"]})
         mem.close()
         shutil.rmtree(path, ignore_errors=True)
     faiss_rows = [] if args.no_faiss else faiss_scaling(rng)
     machine = describe()
     result = {"benchmark": "flat_access", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "top_k": sorted({k for k, _ in ks}), "questions": args.questions,
-              "max_context_tokens": sorted({b for _, b in ks}), "min_relevance": args.min_relevance,
+              "machine": machine, "top_k": sorted({k for k, _, _ in ks}), "questions": args.questions,
+              "max_context_tokens": sorted({b for _, b, _ in ks}), "min_relevance": args.min_relevance,
               "command": " ".join(sys.argv), "rows": rows, "skipped": skipped, "faiss": faiss_rows}
     print(f"\nflat access — ask latency (selection + re-rank + page-in + first token), cold, {args.questions} questions; "
           f"{machine['cpu']}, {machine['cores']} cores; min_relevance {args.min_relevance}")
-    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'budget':>6} {'grafted':>7} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
+    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'budget':>6} {'reread':>6} {'window':>7} {'reread':>6} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
           f"{'rerank':>6} {'ranked':>6} {'page-in':>7} {'disk':>6} {'1st tok':>7} {'other':>6} {'vs first':>8}")
     for r in rows:
-        first = next(x for x in rows if (x["top_k"], x["max_context_tokens"]) == (r["top_k"], r["max_context_tokens"]))
+        first = next(x for x in rows if (x["top_k"], x["max_context_tokens"], x["reread"]) ==
+                     (r["top_k"], r["max_context_tokens"], r["reread"]))
         print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['top_k']:2d} {r['max_context_tokens']:6d} "
-              f"{r['grafted_tokens_median']:7.0f} "
+              f"{'on' if r['reread'] else 'off':>6} {r['window_tokens_median']:7.0f} {r['reread_share']:6.0%} "
               f"{r['ask_ms_median']:7.0f} {r['ask_ms_p10']:5.0f}-{r['ask_ms_p90']:<5.0f} "
               f"{r['select_ms_median']:7.1f} {r['rerank_ms_mean']:6.0f} {r['reranked_share']:6.0%} "
               f"{r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "
@@ -276,15 +289,17 @@ def _plot(rows, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, g) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, b in dict.fromkeys((r["top_k"], r["max_context_tokens"]) for r in rows):
-        rs = [r for r in rows if (r["top_k"], r["max_context_tokens"]) == (k, b)]
+    for k, b, rr in dict.fromkeys((r["top_k"], r["max_context_tokens"], r["reread"]) for r in rows):
+        rs = [r for r in rows if (r["top_k"], r["max_context_tokens"], r["reread"]) == (k, b, rr)]
+        label = f"top-k {k}, budget {b}, reread {'on' if rr else 'off'}"
         x = [r["store_tokens"] for r in rs]
         med = np.array([r["ask_ms_median"] for r in rs])
         a.errorbar(x, med, yerr=[med - [r["ask_ms_p10"] for r in rs], [r["ask_ms_p90"] for r in rs] - med],
-                   fmt="o-", capsize=3, label=f"top-k {k}, budget {b}")
-        g.plot(x, [r["grafted_tokens_median"] for r in rs], "o-", label=f"top-k {k}, budget {b}")
+                   fmt="o-", capsize=3, label=label)
+        g.plot(x, [r["window_tokens_median"] for r in rs], "o-", label=label)
     a.set(xscale="log", xlabel="store tokens", ylabel="ask ms (median, p10-p90; cold)", title="ask latency")
-    g.set(xscale="log", xlabel="store tokens", ylabel="grafted tokens (median)", title="the window")
+    g.set(xscale="log", xlabel="store tokens", ylabel="window tokens (median; grafted or re-read)",
+          title="the window")
     a.legend()
     g.legend()
     fig.tight_layout()

@@ -45,7 +45,7 @@ from common import describe, seed_of, write_json  # noqa: E402
 import kvmemory  # noqa: E402
 from kvmemory import kv as kvops  # noqa: E402
 from kvmemory.graft import window_tokens  # noqa: E402
-from kvmemory.config import (ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_RERANK, ASK_RERANK_KEEP,  # noqa: E402
+from kvmemory.config import (ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_REREAD, ASK_RERANK, ASK_RERANK_KEEP,  # noqa: E402
                              ASK_RERANK_MARGIN, ASK_TOP_K)
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
@@ -53,17 +53,25 @@ from kvmemory.retrieve import rank_blocks  # noqa: E402
 SELECTOR_KS = (1, 2, 4, 8)
 
 
+# ask's defaults as a config name
+DEFAULT_CONFIG = (f"k{ASK_TOP_K}-rr{ASK_RERANK}-m{ASK_RERANK_MARGIN:g}{'-keep' * ASK_RERANK_KEEP}"
+                  f"{'-reread' * ASK_REREAD}")
+
+
 def parse_config(name: str) -> dict:
     """'k2', 'k2-r0.15', 'k3-noexp', 'k2-c0.75', 'k2-rr8-m0.05', 'k8-b2048', 'k2-s16-last' -> ask() keyword
     arguments (c: min_relevance, rr: rerank, m: rerank_margin, b: max_context_tokens, s: seam tokens
-    recomputed, last: order "best_last")."""
-    # no re-rank unless rr is named (ask's default re-ranks: its config is k2-rr8-m0.5), so a name
-    # means what it meant in the earlier result files
+    recomputed, last: order "best_last", keep: rerank_keep, reread: the tokens after the exact prefix
+    re-read)."""
+    # no re-rank, keep or reread unless named (ask's defaults do all three: its config is
+    # k2-rr8-m0.5-keep-reread), so a name means what it meant in the earlier result files
     out = {"top_k": ASK_TOP_K, "recompute": ASK_RECOMPUTE, "expand": True, "min_relevance": ASK_MIN_RELEVANCE,
-           "rerank": 0}
+           "rerank": 0, "rerank_keep": False, "reread": False}
     for part in name.split("-"):
         if part == "keep":
             out["rerank_keep"] = True
+        elif part == "reread":
+            out["reread"] = True
         elif part.startswith("rr"):
             out["rerank"] = int(part[2:])
         elif part.startswith("m"):
@@ -200,6 +208,7 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
                 sel[selector][k] += all(g & set(ranked[:k]) for g in gold)
         # ---- kvmemory
         default_window = None
+        ttfts: dict[str, float] = {}
         for name, kw in configs.items():
             a = mem.ask(q.question, max_new_tokens=args.max_new_tokens, **kw)
             picked = tok.decode(window_tokens(mem.store, a.window))
@@ -212,13 +221,14 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
             r["ttft"].append(st["timings_s"]["ttft"])
             r["prefilled"].append(st["tokens_prefilled"])
             r["restored"].append(st["tokens_restored"])
-            r["recomputed"].append(st["tokens_recomputed"])
+            r["recomputed"].append(st["tokens_recomputed"] + st["tokens_reread"])
             r["rerank_s"].append(st["timings_s"]["rerank"])
             r["rerank_restored"].append(st["reranked"]["tokens_restored"])
             r["seamed"].append(bool(a.window.seam_positions(1)))    # a run meets context it was not computed in
             r["_first"] = a.first_logits
             r["_window"] = a.window.slots
             replies[name] = a.text
+            ttfts[name] = st["timings_s"]["ttft"]
             if name == next(iter(configs)):
                 default_window = a.window
         # ---- text RAG over exactly the tokens of the first config's window
@@ -249,13 +259,27 @@ def run_doc(model, size: int, questions, args, rng, work: Path, configs: dict, r
             reply, ttft, _ = greedy(mem.model, tok, q_ids, args.max_new_tokens, cache=full_cache, C=C)
             _record(res["full"], q, reply, True, full_s + ttft, base + len(q_ids), 0)
             replies["full"] = reply
-        examples.append({"shape": q.shape, "question": q.question, "answers": list(q.answers), "replies": replies})
+        examples.append({"shape": q.shape, "question": q.question, "answers": list(q.answers), "replies": replies,
+                         "ttft_s": ttfts,
+                         **({"window": window_shape(default_window)} if default_window is not None else {})})
         print(f"  [{size}] {q.shape:8} {'/'.join(q.answers):>18}: " +
               "  ".join(f"{m}={'ok' if correct(v, q.answers) else 'x'}" for m, v in replies.items()),
               file=sys.stderr, flush=True)
     out = {"doc_tokens": len(doc_ids), "deposit_s": deposit_s, "deposit_reused": reused, "full_prefill_s": full_s}
     mem.close()
     return out
+
+
+def window_shape(w) -> dict:
+    """The first config's window as the blend sees it: its context tokens, the leading exact ones,
+    its runs (blocks computed together) and how many runs after the first continue the one before
+    them in the document (a segment boundary between them: the later run was computed without it)."""
+    runs = w.runs()
+    joined = sum(a[-1].candidate.doc_id == b[0].candidate.doc_id and
+                 a[-1].candidate.doc_start + a[-1].candidate.n_tokens == b[0].candidate.doc_start
+                 for a, b in zip(runs, runs[1:]))
+    return {"context_tokens": w.context_tokens, "exact_tokens": w.exact_prefix_tokens(), "runs": len(runs),
+            "joined_runs": joined}
 
 
 def _record(r, q, reply, recall, ttft, prefilled, restored) -> None:
@@ -370,13 +394,13 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=60, help="questions per size (default 60)")
     ap.add_argument("--needles-per-doc", type=int, default=None,
                     help="questions per haystack (default: size/1024, at least 8); more haystacks make up the rest")
-    ap.add_argument("--configs", default=f"k{ASK_TOP_K}-rr{ASK_RERANK}-m{ASK_RERANK_MARGIN:g}{'-keep' * ASK_RERANK_KEEP},"
-                                         f"k{ASK_TOP_K},k{ASK_TOP_K}-rr8-m0.5,k{ASK_TOP_K}-rr8-m0.5-keep",
-                    help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB][-sS][-last], "
+    ap.add_argument("--configs", default=f"{DEFAULT_CONFIG},k{ASK_TOP_K},k{ASK_TOP_K}-rr8-m0.5-keep",
+                    help="ask() settings to compare: kK[-rR][-noexp][-cC][-rrN][-mM][-bB][-sS][-last][-keep][-reread], "
                          "comma-separated (rr: re-rank N blocks with the model, 0 unless named; m: its margin, "
-                         "b: max_context_tokens, s: seam tokens, last: order best_last, keep: rerank_keep); "
-                         "default: ask's defaults, then no re-rank, the re-rank alone and the re-rank that keeps "
-                         "the first ranking's best (a repeated setting is run once)")
+                         "b: max_context_tokens, s: seam tokens, last: order best_last, keep: rerank_keep, reread: the "
+                         "tokens after the window's exact prefix re-read); default: ask's defaults, then no "
+                         "re-rank, and the re-rank that keeps the first ranking's best without reread (a repeated "
+                         "setting is run once)")
     ap.add_argument("--methods", default="ceiling,full,rag", help="baselines: ceiling, full, rag")
     ap.add_argument("--generators", default=",".join(GENERATORS),
                     help="question generators, each drawn fresh, reported alone and pooled (default: all): "

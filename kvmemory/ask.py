@@ -5,6 +5,12 @@
              re-rotate keys whose slot differs from their deposit position)
              -> prefill the question over the window (optionally recomputing a fraction of the
                 window's tokens, blend.py) -> greedy answer
+
+With `reread` (the default) only the window's exact prefix is grafted (the prelude and the leading
+run at the positions it was computed at, behind the blocks it was computed after); the tokens after
+it (a second run, computed apart from the first) are prefilled over it with the question, the
+canonical way. The window then holds what re-reading its text computes, and a window of one exact
+run (most of them, with the re-rank) is grafted whole at no extra cost.
 """
 
 from __future__ import annotations
@@ -87,8 +93,12 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
     store.verified_meta([s.candidate.row for s in window.slots])
     # ---- page in and graft
     device = rt.model.device
-    seams = window.seam_positions(opts.seam)
-    blend = opts.recompute > 0 or bool(seams)
+    exact_tokens = window.exact_prefix_tokens()
+    # reread: the tokens after the exact prefix are prefilled over it, not grafted (their blocks not read)
+    reread = window.context_tokens - exact_tokens if opts.reread else 0
+    grafted = window.exact_head() if reread else window
+    seams = [] if reread else window.seam_positions(opts.seam)
+    blend = not reread and (opts.recompute > 0 or bool(seams))
     if device.type == "cuda" and not blend:              # decode attention through the paged-window kernel
         from kvmemory.ops import plain_attention, use_window_attention
         if plain_attention(rt.model):
@@ -96,17 +106,20 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
     t = time.perf_counter()
     # on CPU, the plain path's window is built with room for the question and the answer: its
     # cache views it (no copy), and a batched step writes their KV in place (batching.room_of)
-    room = len(q_ids) + opts.max_new_tokens if device.type == "cpu" and not blend else 0
-    ctx_buf, fetch = graft.window_kv(rt, window, docs.prelude_kv(), room=room)
-    ctx_kv = ctx_buf[:, :, :, :window.context_tokens]
+    room = len(q_ids) + opts.max_new_tokens if device.type == "cpu" and not blend and not reread else 0
+    ctx_buf, fetch = graft.window_kv(rt, grafted, docs.prelude_kv(), room=room)
+    ctx_kv = ctx_buf[:, :, :, :grafted.context_tokens]
     graft_s = time.perf_counter() - t
     # ---- answer
     t = time.perf_counter()
-    exact_tokens = window.exact_prefix_tokens()
-    tail = graft.prefill_tail(rt, ctx_kv, list(q_ids), recompute=opts.recompute, seams=seams,
-                              ctx_ids=lambda: list(prelude_ids) + graft.window_tokens(store, window),
-                              exact_tokens=exact_tokens, copy=not room, buffer=ctx_buf if room else None,
-                              batched=True)
+    if reread:          # the window's text after its exact prefix, then the question: the canonical prefill
+        rest = (list(prelude_ids) + graft.window_tokens(store, window))[exact_tokens:]
+        tail = graft.prefill_tail(rt, ctx_kv, rest + list(q_ids), chunked=True)
+    else:
+        tail = graft.prefill_tail(rt, ctx_kv, list(q_ids), recompute=opts.recompute, seams=seams,
+                                  ctx_ids=lambda: list(prelude_ids) + graft.window_tokens(store, window),
+                                  exact_tokens=exact_tokens, copy=not room, buffer=ctx_buf if room else None,
+                                  batched=True)
     first_token_s = time.perf_counter() - t
     ttft = time.perf_counter() - t0
     t = time.perf_counter()
@@ -130,11 +143,13 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
         **opts.as_dict(), "tokens_seam": len(seams),
         "reranked": rr,
         "window_tokens": window.context_tokens + len(q_ids) + len(new),
-        "tokens_restored": window.context_tokens, "tokens_prefilled": len(q_ids), "tokens_decoded": len(new),
-        "tokens_exact": exact, "tokens_rerotated": sum(s.candidate.n_tokens for s in window.slots if s.shift),
+        "tokens_restored": grafted.context_tokens, "tokens_prefilled": len(q_ids) + reread,
+        "tokens_decoded": len(new), "tokens_exact": exact, "tokens_reread": reread,
+        "tokens_rerotated": sum(s.candidate.n_tokens for s in grafted.slots if s.shift),
         "tokens_recomputed": tail.recomputed,
         "blocks": len(window.slots), "blocks_selected": sum(s.candidate.selected for s in window.slots),
-        "exact_slots": window.exact_slots, "rerotated_slots": len(window.slots) - window.exact_slots,
+        "exact_slots": window.exact_slots, "rerotated_slots": len(grafted.slots) - grafted.exact_slots,
+        "reread_slots": len(window.slots) - len(grafted.slots),
         "bytes_read": {"disk": fetch.disk_bytes, "host": fetch.host_bytes},
         "blocks_from": {"gpu": fetch.from_gpu, "host": fetch.from_host, "disk": fetch.from_disk,
                         **({"disk_cache": fetch.from_disk_cache, "object_store": fetch.from_object_store}
@@ -147,7 +162,7 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
         "store_tokens": sum(d.n_tokens for d in manifest.docs.values()),
         # a compact store: the worst measured error of the blocks grafted (prelude and slots)
         "encoding": manifest.encoding,
-        "encoding_error": store.error_report([s.candidate.row for s in window.slots] +
+        "encoding_error": store.error_report([s.candidate.row for s in grafted.slots] +
                                              store.chain(docs.prelude_state()[1])) if store.encoding.lossy else None,
     }
     return Answer(text, sources_of(window), stats, window, to_host(first_logits[0]).float())

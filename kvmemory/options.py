@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory.config import (ASK_CONTEXT_TOKENS, ASK_MIN_RELEVANCE, ASK_ORDER, ASK_RECOMPUTE, ASK_RERANK,
-                             ASK_RERANK_KEEP, ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
+                             ASK_REREAD, ASK_RERANK_KEEP, ASK_RERANK_MARGIN, ASK_SEAM, ASK_TOP_K)
 from kvmemory.errors import InputError
 from kvmemory.index import SELECTORS
 from kvmemory.window import ORDERS
@@ -45,7 +45,10 @@ class AskOptions:
     within this many nats per question token of the best; rerank_keep: the first ranking's best block
     stays in the window whatever the re-rank says (the re-rank's best joins it). max_context_tokens: the grafted tokens at
     most, whatever the store's size. seam: the first `seam` tokens of every grafted run that meets
-    context it was not computed in, recomputed. order: "document" or "best_last"."""
+    context it was not computed in, recomputed. reread: the window's tokens after its exact prefix (the
+    leading run grafted where it was computed) prefilled over it instead of grafted: the window then holds
+    what re-reading its text computes, and recompute and seam have nothing left to do; a window of one
+    exact run is grafted whole either way. order: "document" or "best_last"."""
 
     top_k: int = ASK_TOP_K
     selector: str = "text"
@@ -58,6 +61,7 @@ class AskOptions:
     rerank_keep: bool = ASK_RERANK_KEEP
     max_context_tokens: int = ASK_CONTEXT_TOKENS
     seam: int = ASK_SEAM
+    reread: bool = ASK_REREAD
     order: str = ASK_ORDER
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class AskOptions:
         if not _int(self.seam, 0):
             raise InputError(f"seam is how many tokens to recompute at the start of each grafted run (0: none), "
                              f"got {self.seam!r}")
+        if not isinstance(self.reread, bool):
+            raise InputError(f"reread is true or false, got {self.reread!r}")
         if self.order not in ORDERS:
             raise InputError(f"order is one of {', '.join(ORDERS)}, got {self.order!r}")
 
@@ -120,6 +126,8 @@ HELP = {
     "max_context_tokens": ("N", "at most N grafted tokens, whatever the store's size"),
     "seam": ("N", "recompute the first N tokens of every grafted run that meets context it was not computed in, "
                   "at every layer (0: off)"),
+    "reread": (None, "prefill the grafted tokens after the window's exact prefix over it instead of grafting them "
+                     "re-rotated (a window of one exact run costs nothing more)"),
     "order": (None, "document: runs in document order; best_last: the run holding the best block nearest the "
                     "question"),
 }

@@ -83,6 +83,18 @@ class WindowPlan:
             n += c.n_tokens
         return n
 
+    def exact_head(self) -> WindowPlan:
+        """The plan of the window's exact prefix alone (exact_prefix_tokens: the prelude and its
+        leading slots)."""
+        n, at = self.exact_prefix_tokens(), self.prelude_tokens
+        head = []
+        for s in self.slots:
+            if at >= n:
+                break
+            head.append(s)
+            at += s.candidate.n_tokens
+        return WindowPlan(self.prelude_tokens, tuple(head), self.question_tokens, self.max_new_tokens)
+
     def seam_positions(self, n: int) -> list[int]:
         """Window positions of the first n tokens of every run of blocks that were computed
         together (each block deposited right after the one before it) except a leading run that
@@ -91,16 +103,20 @@ class WindowPlan:
         one such run from its segment's start."""
         if n <= 0:
             return []
-        runs: list[list[int]] = []            # [start, end) window offsets
-        for i, s in enumerate(self.slots):
-            c = s.candidate
-            prev = self.slots[i - 1].candidate if i else None
-            if prev is not None and _together(prev, c):
-                runs[-1][1] = s.offset + c.n_tokens
-            else:
-                runs.append([s.offset, s.offset + c.n_tokens])
         exact = self.exact_prefix_tokens()
-        return [t for a, b in runs if a >= exact for t in range(a, min(a + n, b))]
+        spans = [(run[0].offset, run[-1].offset + run[-1].candidate.n_tokens) for run in self.runs()]
+        return [t for a, b in spans if a >= exact for t in range(a, min(a + n, b))]
+
+    def runs(self) -> list[tuple[Slot, ...]]:
+        """The slots cut into runs of blocks that were computed together (each deposited right
+        after the one before it), window order."""
+        runs: list[list[Slot]] = []
+        for i, s in enumerate(self.slots):
+            if i and _together(self.slots[i - 1].candidate, s.candidate):
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        return [tuple(r) for r in runs]
 
 
 def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int, max_new_tokens: int,

@@ -29,15 +29,17 @@ def test_add_docs_ask_remove(mem, rng):
     C = mem.block_tokens
     assert info.doc_id == "manual" and info.blocks == -(-info.n_tokens // C)
     assert [d.doc_id for d in mem.docs()] == ["manual"]
-    # rerank=0: the re-rank's own forwards would page the blocks in first (the tiers are tested here)
-    ans = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0, rerank=0)
+    # rerank=0: the re-rank's own forwards would page the blocks in first (the tiers are tested here);
+    # reread=False: every selected block is grafted (read), none prefilled from its tokens
+    kw = dict(top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0, rerank=0, reread=False)
+    ans = mem.ask("What is the vault code?", **kw)
     st = ans.stats
     assert st["blocks"] == st["blocks_selected"] == 3 and all(s[0] == "manual" for s in ans.sources)
     assert sum(e - s for _, s, e, _ in ans.sources) == st["tokens_restored"] - len(mem.documents.prelude.ids)
     starts = [s[1] for s in ans.sources]
     assert starts == sorted(starts)                                  # document order, contiguous runs merged
     assert st["tokens_prefilled"] < 40 and st["blocks_from"]["disk"] == 3
-    again = mem.ask("What is the vault code?", top_k=3, max_new_tokens=4, expand=False, min_relevance=0.0, rerank=0)
+    again = mem.ask("What is the vault code?", **kw)
     assert again.stats["blocks_from"]["host"] == 3 and again.stats["tiers"]["host"]["hits"] >= 3
     assert again.sources == ans.sources
     # every block is indexed: one key summary each, several dense / BM25 windows each
@@ -231,10 +233,12 @@ def test_recompute_argument_is_checked(mem, rng):
             mem.ask("where?", seam=bad)
     with pytest.raises(InputError, match="order"):
         mem.ask("where?", order="nearest")
+    with pytest.raises(InputError, match="reread"):
+        mem.ask("where?", reread=1)
     p = len(mem.documents.prelude.ids)
-    for top_k in (1, 3):
-        st = mem.ask("copper falcon", top_k=top_k, recompute=0.5, expand=False, max_new_tokens=2).stats
+    for top_k in (1, 3):        # the blend, not the re-read of what follows the exact prefix
+        st = mem.ask("copper falcon", top_k=top_k, recompute=0.5, expand=False, max_new_tokens=2, reread=False).stats
         inexact = st["tokens_restored"] - p - st["tokens_exact"]
         assert st["tokens_recomputed"] == min(inexact, round(0.5 * st["tokens_restored"]))
-    st = mem.ask("copper falcon", top_k=3, recompute=1.0, max_new_tokens=2).stats
+    st = mem.ask("copper falcon", top_k=3, recompute=1.0, max_new_tokens=2, reread=False).stats
     assert st["tokens_recomputed"] == st["tokens_restored"]

@@ -127,6 +127,43 @@ def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exac
         print(f"\nexpansion: {st['blocks']} blocks grafted exactly; reply {ans.text!r}")
 
 
+def test_reread_prefills_what_follows_the_exact_prefix_the_canonical_way(tmp_path, real_model):
+    """reread (the default): a window of two runs grafts its exact prefix (the prelude and the first
+    run, from its segment's start) and prefills the second run's tokens over it with the question,
+    block by block: the first answer token's logits are bit-identical to restoring the first run's
+    stored chain and prefilling the rest of the window's text and the question the canonical way.
+    The second run's blocks are not read. Grafted instead (reread=False), the logits differ."""
+    r = random.Random()
+    with kvmemory.Memory(tmp_path / "w.kvm", model=real_model) as mem:
+        text = (_log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 60) + " " +
+                _log_doc(r, 200, "The zyxquor token of the pier is 7730.", 150))       # segments apart
+        mem.add(text, doc_id="log")
+        q = "What is the zyxquor token?"
+        kw = dict(top_k=2, selector="bm25", rerank=0, min_relevance=0.0, max_new_tokens=8)
+        ans = mem.ask(q, **kw)
+        w, st = ans.window, ans.stats
+        head = w.exact_head()
+        assert len(w.runs()) == 2 and 0 < len(head.slots) < len(w.slots)
+        assert st["reread"] is True and st["tokens_reread"] == w.context_tokens - w.exact_prefix_tokens() > 0
+        assert st["tokens_restored"] == head.context_tokens == w.exact_prefix_tokens()
+        assert st["tokens_rerotated"] == st["tokens_recomputed"] == 0 and st["reread_slots"] == len(w.slots) - len(head.slots)
+        assert st["blocks_from"]["disk"] + st["blocks_from"]["host"] == len(head.slots)   # the rest is not read
+        from kvmemory.graft import window_tokens
+        rest = (mem.documents.prelude.ids + window_tokens(mem.store, w))[head.context_tokens:]
+        q_ids = mem.documents.prelude.question_ids(q)
+        cache = kvops.make_cache(mem.states_room.read_chain(mem.store.chain(head.slots[-1].candidate.row)),
+                                 mem.model.config)
+        with torch.inference_mode():
+            for _, _, ref in kvops.prefill_blocks(mem.model, rest + q_ids, mem.block_tokens, cache,
+                                                  head.context_tokens, mem.rt.prefill_tokens):
+                pass
+        assert torch.equal(ans.first_logits, ref.float())
+        grafted = mem.ask(q, reread=False, **kw)
+        assert [s.candidate.row for s in grafted.window.slots] == [s.candidate.row for s in w.slots]
+        assert grafted.stats["tokens_rerotated"] > 0 and grafted.stats["tokens_reread"] == 0
+        assert kl_divergence(ref.float(), grafted.first_logits) > 0
+
+
 def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model):
     """r = 1.0 recomputes every window token: the window's text re-prefilled in one pass. r = 0
     (pure graft, blocks from different segments side by side) deviates measurably."""
@@ -135,8 +172,9 @@ def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model
         text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
         mem.add(text, doc_id="log")
         q = "What is the zyxquor token of the harbour?"
-        full = mem.ask(q, top_k=3, recompute=1.0, expand=False, max_new_tokens=8, min_relevance=0.0)
-        graft = mem.ask(q, top_k=3, recompute=0.0, expand=False, max_new_tokens=8, min_relevance=0.0)
+        kw = dict(top_k=3, expand=False, max_new_tokens=8, min_relevance=0.0, reread=False)
+        full = mem.ask(q, recompute=1.0, **kw)
+        graft = mem.ask(q, recompute=0.0, **kw)
         assert [s.candidate.row for s in full.window.slots] == [s.candidate.row for s in graft.window.slots]
         assert full.stats["rerotated_slots"] >= 1
         from kvmemory.graft import window_tokens
@@ -161,7 +199,7 @@ def test_seams_as_long_as_the_runs_equal_re_prefilling_and_best_last_orders_the_
         text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
         mem.add(text, doc_id="log")
         q = "What is the zyxquor token of the harbour?"
-        kw = dict(top_k=3, expand=False, max_new_tokens=8, min_relevance=0.0)
+        kw = dict(top_k=3, expand=False, max_new_tokens=8, min_relevance=0.0, reread=False)
         some = mem.ask(q, seam=16, **kw)
         whole = mem.ask(q, seam=4096, **kw)                # longer than any run: each whole
         st, p = whole.stats, len(mem.documents.prelude.ids)

@@ -103,3 +103,20 @@ def test_seam_positions_are_the_first_tokens_of_each_run_that_meets_new_context(
     short = Candidate(7, "e", 1, 0, 10, p + 5 * C, 1.0)
     w = plan([seg(0, 0, 0), short], p, 5, 5, 8192, 2)
     assert w.seam_positions(64) == list(range(p + C, p + C + 10))
+
+
+def test_runs_and_the_exact_head():
+    """runs() cuts the slots where blocks were not computed together; exact_head() is the plan of the
+    exact prefix alone (what ask grafts with reread; the rest it prefills)."""
+    C, p = 256, 20
+    seg = lambda row, i, deposit_block: Candidate(row, "d", 0, i * C, C, p + deposit_block * C, 1.0)  # noqa: E731
+    w = plan([seg(0, 0, 0), seg(1, 1, 1), seg(8, 8, 0), seg(9, 9, 1)], p, 5, 5, 8192, 4)
+    assert [[s.candidate.row for s in r] for r in w.runs()] == [[0, 1], [8, 9]]
+    head = w.exact_head()
+    assert [s.candidate.row for s in head.slots] == [0, 1] and head.context_tokens == w.exact_prefix_tokens() == p + 2 * C
+    assert head.exact_head() == head and head.runs() == w.runs()[:1]
+    # one exact run: the head is the window; a leading run cut from the front: the head is the prelude
+    one = plan([seg(0, 0, 0), seg(1, 1, 1)], p, 5, 5, 8192, 2)
+    assert one.exact_head() == one
+    cut = plan([seg(5, 5, 2), seg(6, 6, 3)], p, 5, 5, 8192, 2)
+    assert cut.exact_head().slots == () and cut.exact_head().context_tokens == p and len(cut.runs()) == 1

@@ -116,8 +116,8 @@ def cmd_ask(args) -> int:
     st = ans.stats
     t = st["timings_s"]
     print(f"\n{st['tokens_restored']} tokens restored ({st['exact_slots']} blocks exact, {st['rerotated_slots']} "
-          f"re-rotated), {st['tokens_prefilled']} prefilled; blocks from disk {st['blocks_from']['disk']}, host "
-          f"{st['blocks_from']['host']}; TTFT {t['ttft']:.3f} s (select {t['select']:.3f}, page-in "
+          f"re-rotated, {st['reread_slots']} re-read), {st['tokens_prefilled']} prefilled; blocks from disk "
+          f"{st['blocks_from']['disk']}, host {st['blocks_from']['host']}; TTFT {t['ttft']:.3f} s (select {t['select']:.3f}, page-in "
           f"{t['page_in_and_graft']:.3f}, first token {t['first_token']:.3f}); store {st['store_tokens']} tokens")
     return 0
 

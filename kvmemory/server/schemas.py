@@ -335,6 +335,7 @@ class AskRequest(BaseModel):
     rerank_keep: bool | None = None
     max_context_tokens: Annotated[int | None, Field(ge=1, le=1 << 20)] = None
     seam: Annotated[int | None, Field(ge=0, le=4096)] = None
+    reread: bool | None = None
     order: Literal[tuple(ORDERS)] | None = None               # type: ignore[valid-type]
     stream: bool = False
 

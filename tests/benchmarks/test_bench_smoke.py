@@ -19,13 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_flat_access_reports_a_bounded_window(tmp_path):
     out = tmp_path / "flat.json"
     p = subprocess.run([sys.executable, "benchmarks/bench_flat_access.py", "--tokens", "2048,8192", "--questions", "3",
-                        "--top-k", "2,8", "--no-faiss", "--json", str(out), "--dir", str(tmp_path)],
+                        "--top-k", "2,8", "--no-faiss", "--reread", "on,off", "--json", str(out), "--dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert {(r["store_tokens"], r["top_k"]) for r in res["rows"]} == {(2048, 2), (2048, 8), (8192, 2), (8192, 8)}
+    assert sorted((r["store_tokens"], r["top_k"], r["reread"]) for r in res["rows"]) == \
+        sorted((n, k, rr) for n in (2048, 8192) for k in (2, 8) for rr in (True, False))
     for r in res["rows"]:
-        assert 0 < r["grafted_tokens_max"] <= r["max_context_tokens"]
+        assert 0 < r["window_tokens_max"] <= r["max_context_tokens"]
+        assert r["reread_share"] == 0 if not r["reread"] else 0 <= r["reread_share"] <= 1
         assert r["ask_ms_p10"] <= r["ask_ms_median"] <= r["ask_ms_p90"] and len(r["ask_ms_all"]) == 3
         assert 0 <= r["reranked_share"] <= 1 and (r["rerank_ms_mean"] > 0) == (r["reranked_share"] > 0)
     assert out.with_suffix(".png").stat().st_size > 0

@@ -207,9 +207,11 @@ def test_documents_jobs_ask_and_stream(served, rng):
     assert "".join(json.loads(e)["text"] for e in events[:-2]) == body["answer"]
     # the window's settings reach ask: its stats echo them; a bad one is refused (400) before asking
     st = httpx.post(url + "/v1/ask", json={"question": "What is the vault code?", "max_new_tokens": 2, "top_k": 3,
-                                           "expand": False, "seam": 8, "order": "best_last"}, timeout=60).json()["stats"]
+                                           "expand": False, "seam": 8, "order": "best_last", "reread": False},
+                    timeout=60).json()["stats"]
     assert st["seam"] == 8 and st["order"] == "best_last" and st["tokens_seam"] == st["tokens_recomputed"]
-    for bad in ({"seam": -1}, {"order": "nearest"}, {"seam": 1.5}):
+    assert st["reread"] is False and st["tokens_reread"] == 0
+    for bad in ({"seam": -1}, {"order": "nearest"}, {"seam": 1.5}, {"reread": "yes"}):
         assert httpx.post(url + "/v1/ask", json={"question": "What?", **bad}).status_code == 400
     assert httpx.delete(url + "/v1/documents/vault").json()["deleted"] is True
     assert [d["doc_id"] for d in httpx.get(url + "/v1/documents").json()["data"]] == ["notes.txt"]
