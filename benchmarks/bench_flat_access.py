@@ -8,10 +8,11 @@ random block, so BM25 has something to find) and asked with the real model, cold
 evicted before each question), at each --top-k, one answer token, with ask's reread and
 without it (--reread on,off). The window's tokens (grafted, or re-read after its exact prefix)
 and the share of asks that re-read some are reported next to the time: the window is held to
-ask's max_context_tokens budget, so neither may grow with the store. ask runs at its defaults otherwise, the re-rank included: it
-runs only where the best block does not stand alone above the relevance cut, so its mean time
-and the share of asks it ran for are reported (--min-relevance 0: every ask re-ranks). Sizes
-that do not fit the free disk (with a 20% margin) are skipped and reported.
+ask's max_context_tokens budget, so neither it nor the time may grow with the store. ask runs
+at its defaults otherwise, the re-rank included: it runs only where the best block does not
+stand alone above the relevance cut, so its mean time and the share of asks it ran for are
+reported (--min-relevance 0: every ask re-ranks). Sizes that do not fit the free disk (with a
+20% margin) are skipped and reported.
 
     python benchmarks/bench_flat_access.py --tokens 16384,131072,1048576 --top-k 2,8 --questions 30
     python benchmarks/bench_flat_access.py --questions 20 --no-faiss --min-relevance 0 --top-k 2 --reread on,off
@@ -192,8 +193,10 @@ def main() -> None:
     model, tok, _ = load_model(None, cache_dir=from_env(RuntimeConfig).resolved_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="bench-flat-", dir=args.dir))
     from kvmemory.config import ASK_CONTEXT_TOKENS
-    rereads = [{"on": True, "off": False}[x] for x in args.reread.split(",")] if set(args.reread.split(",")) <= \
-        {"on", "off"} else ap.error(f"--reread takes on and off, got {args.reread!r}")
+    switch = {"on": True, "off": False}
+    if not set(args.reread.split(",")) <= set(switch):
+        ap.error(f"--reread takes on and off, got {args.reread!r}")
+    rereads = [switch[x] for x in args.reread.split(",")]
     ks = [(int(k), int(b), rr) for k in args.top_k.split(",")
           for b in (args.max_context_tokens or str(ASK_CONTEXT_TOKENS)).split(",") for rr in rereads]
     rng = np.random.default_rng()
@@ -257,13 +260,13 @@ def main() -> None:
               "command": " ".join(sys.argv), "rows": rows, "skipped": skipped, "faiss": faiss_rows}
     print(f"\nflat access — ask latency (selection + re-rank + page-in + first token), cold, {args.questions} questions; "
           f"{machine['cpu']}, {machine['cores']} cores; min_relevance {args.min_relevance}")
-    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'budget':>6} {'reread':>6} {'window':>7} {'reread':>6} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
+    print(f"{'tokens':>9} {'x window':>8} {'k':>2} {'budget':>6} {'reread':>6} {'window':>7} {'re-read':>7} {'ask ms':>7} {'p10-p90':>11} {'select':>7} "
           f"{'rerank':>6} {'ranked':>6} {'page-in':>7} {'disk':>6} {'1st tok':>7} {'other':>6} {'vs first':>8}")
     for r in rows:
         first = next(x for x in rows if (x["top_k"], x["max_context_tokens"], x["reread"]) ==
                      (r["top_k"], r["max_context_tokens"], r["reread"]))
         print(f"{r['store_tokens']:9d} {r['x_window']:8.0f} {r['top_k']:2d} {r['max_context_tokens']:6d} "
-              f"{'on' if r['reread'] else 'off':>6} {r['window_tokens_median']:7.0f} {r['reread_share']:6.0%} "
+              f"{'on' if r['reread'] else 'off':>6} {r['window_tokens_median']:7.0f} {r['reread_share']:7.0%} "
               f"{r['ask_ms_median']:7.0f} {r['ask_ms_p10']:5.0f}-{r['ask_ms_p90']:<5.0f} "
               f"{r['select_ms_median']:7.1f} {r['rerank_ms_mean']:6.0f} {r['reranked_share']:6.0%} "
               f"{r['page_in_ms_median']:7.1f} {r['disk_read_ms_median']:6.1f} "

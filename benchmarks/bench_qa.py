@@ -49,6 +49,7 @@ from kvmemory.config import (ASK_MIN_RELEVANCE, ASK_RECOMPUTE, ASK_REREAD, ASK_R
                              ASK_RERANK_MARGIN, ASK_TOP_K)
 from kvmemory.exactness import kl_divergence  # noqa: E402
 from kvmemory.retrieve import rank_blocks  # noqa: E402
+from kvmemory.window import follows  # noqa: E402
 
 SELECTOR_KS = (1, 2, 4, 8)
 
@@ -275,9 +276,7 @@ def window_shape(w) -> dict:
     its runs (blocks computed together) and how many runs after the first continue the one before
     them in the document (a segment boundary between them: the later run was computed without it)."""
     runs = w.runs()
-    joined = sum(a[-1].candidate.doc_id == b[0].candidate.doc_id and
-                 a[-1].candidate.doc_start + a[-1].candidate.n_tokens == b[0].candidate.doc_start
-                 for a, b in zip(runs, runs[1:]))
+    joined = sum(follows(a[-1].candidate, b[0].candidate) for a, b in zip(runs, runs[1:]))
     return {"context_tokens": w.context_tokens, "exact_tokens": w.exact_prefix_tokens(), "runs": len(runs),
             "joined_runs": joined}
 

@@ -16,7 +16,7 @@ run (most of them, with the re-rank) is grafted whole at no extra cost.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -113,7 +113,7 @@ def ask(rt: Runtime, docs, question: str, opts: AskOptions = AskOptions(), on_to
     # ---- answer
     t = time.perf_counter()
     if reread:          # the window's text after its exact prefix, then the question: the canonical prefill
-        rest = (list(prelude_ids) + graft.window_tokens(store, window))[exact_tokens:]
+        rest = graft.window_tokens(store, replace(window, slots=window.slots[len(grafted.slots):]))
         tail = graft.prefill_tail(rt, ctx_kv, rest + list(q_ids), chunked=True)
     else:
         tail = graft.prefill_tail(rt, ctx_kv, list(q_ids), recompute=opts.recompute, seams=seams,

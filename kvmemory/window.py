@@ -172,21 +172,21 @@ def plan(candidates: list[Candidate], prelude_tokens: int, question_tokens: int,
     return WindowPlan(prelude_tokens, tuple(slots), question_tokens, max_new_tokens)
 
 
-def _follows(prev: Candidate, c: Candidate) -> bool:
+def follows(prev: Candidate, c: Candidate) -> bool:
     """c is the block after prev in the same document."""
     return prev.doc_id == c.doc_id and prev.doc_start + prev.n_tokens == c.doc_start
 
 
 def _together(prev: Candidate, c: Candidate) -> bool:
     """c was deposited right after prev, in the same forward sequence (computed together)."""
-    return _follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos
+    return follows(prev, c) and prev.deposit_pos + prev.n_tokens == c.deposit_pos
 
 
 def _runs(cands: list[Candidate]) -> list[list[Candidate]]:
     """Candidates in document order cut into runs of consecutive blocks of one document."""
     runs: list[list[Candidate]] = []
     for c in cands:
-        if runs and _follows(runs[-1][-1], c):
+        if runs and follows(runs[-1][-1], c):
             runs[-1].append(c)
         else:
             runs.append([c])
