@@ -22,6 +22,8 @@ Side by side on the same questions (one run, one machine):
     kv-head0   ... with their prelude grafted, not closed
     kv-rR      KV recall with a fraction R of the grafted turns' tokens recomputed in the window
                (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0 (none), kv-r1 (all of them)
+    kv-cutF    KV recall keeping a turn after the most relevant one only with F x its BM25 score
+    text-cutF  (ChatMemory.min_relevance; default 0: the k best turns, however weak), e.g. kv-cut0.75
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -252,6 +255,17 @@ def run(args) -> dict:
 KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\n"), "kv-head0": (True, "")}
 
 
+def check_conditions(conds: list[str]) -> None:
+    """Every condition is one answer() knows (an unknown name is refused before anything is built)."""
+    for c in conds:
+        m = re.fullmatch(r"kv-r([0-9]*\.?[0-9]+)|(?:kv|text)-cut([0-9]*\.?[0-9]+)", c)
+        f = None if m is None else (m.group(1) or m.group(2))
+        ok = c in ("none", "text", "kv", "full", "oracle") or c in KV_VARIANTS or (f is not None and float(f) <= 1.0)
+        if not ok:
+            raise SystemExit(f"--conditions: {c!r} is not none, text, kv, full, oracle, {', '.join(KV_VARIANTS)}, "
+                             "kv-rF, kv-cutF or text-cutF (F in [0, 1])")
+
+
 def answer(mem, cm, u, q, msgs, c, args):
     """(answer, stats) of question q under condition c, or (None, None) where it does not apply."""
     from kvmemory.chat_memory.window import QUOTE_HEAD
@@ -272,6 +286,15 @@ def answer(mem, cm, u, q, msgs, c, args):
                             remember=False)
         finally:
             cm.recompute = saved
+    if c.startswith(("kv-cut", "text-cut")):           # the same recall, cut by relevance
+        base, f = c.split("-cut")
+        saved = cm.min_relevance
+        cm.min_relevance = float(f)
+        try:
+            return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=base, k=args.k,
+                            remember=False)
+        finally:
+            cm.min_relevance = saved
     if c in ("none", "text", "kv"):
         return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=c, k=args.k, remember=False)
     if c == "full":
@@ -393,6 +416,7 @@ def main() -> None:
                     help="KV codec of a new store (default: KVMEMORY_CODEC or none)")
     ap.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     args = ap.parse_args()
+    check_conditions(args.conditions.split(","))
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

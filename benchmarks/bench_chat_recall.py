@@ -28,8 +28,10 @@ message closed after them), -end (closed with <|im_end|>), -rF (F of the grafted
 CacheBlend; default ChatMemory's), -guard (the reply kept from opening as a remembered turn reads,
 kvmemory/chat_memory/guard.py; text conditions take it too), -inline (grafted inside the window's
 system message, where quoting puts the turns: ChatMemory.place = "system"), -nl (text: the last
-quoted turn keeps its newline, as the turns a system-placed graft holds do), e.g.
-kv-user-system-r0.6. --store DIR keeps the histories (the store and the probes) and reuses them: the
+quoted turn keeps its newline, as the turns a system-placed graft holds do), -kN (N turns recalled;
+default 3), -cutF (a turn recalled after the most relevant one needs F x its BM25 score:
+ChatMemory.min_relevance; without it the default's, 0: the k best turns), e.g. kv-user-system-r0.6,
+kv-user-cut0.75. --store DIR keeps the histories (the store and the probes) and reuses them: the
 conditions of several runs are then paired on the same conversations.
 
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
@@ -185,15 +187,17 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard)?(-inline)?(-nl)?", c)
-    if m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES):
+                     r"(-guard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?", c)
+    if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
+            or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
-                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard][-inline][-nl] "
-                         f"(memories: {', '.join(MEMORIES)})")
+                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard][-inline][-nl][-kN]"
+                         f"[-cutF] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
-            "guard": bool(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9))}
+            "guard": bool(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9)),
+            "k": int(m.group(10)) if m.group(10) else None, "cut": float(m.group(11)) if m.group(11) else None}
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
@@ -257,12 +261,15 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
         cm.graft_head = True
     cm.guard = cond["guard"]
+    if cond["cut"] is not None:
+        cm.min_relevance = cond["cut"]
     if cond["inline"]:        # grafted inside the window's system message, where quoting puts the turns
         cm.place = "system"
     from kvmemory.chat_memory import window
     window.QUOTE_END = "\n" if cond["nl"] else ""
     try:
-        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False)
+        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False,
+                            **({"k": cond["k"]} if cond["k"] else {}))
     finally:
         window.QUOTE_END = ""
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
@@ -272,6 +279,7 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok),
             "opens_as_memory": opens_as_memory(text), "continues_v1": continues_v1(text, replies),
             "ttft_s": st["ttft_s"], "recalled": len(st.get("recalled", [])),
+            "recalled_tokens": sum(r["tokens"] for r in st.get("recalled", [])),
             "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
 
 
@@ -332,6 +340,7 @@ def run(args, seed: int) -> dict:
     users, replies, tokens, history_s = h["users"], h["replies"], h["tokens"], h["history_s"]
     rows = []
     bar = _bar(sum(len(p) for p in users.values()) * len(conds), "questions")
+    forgotten = 0
     with kvmemory.Memory(path) as mem:                # reopened: what a restart sees
         for name, probes in users.items():
             for p in probes:
@@ -341,7 +350,9 @@ def run(args, seed: int) -> dict:
                     if bar is not None:
                         bar.update(1)
                 rows.append(row)
-        forgotten = undo_questions(mem, users, kept)
+            # the user's question states go as soon as the user is done (at ~100K tokens a user they
+            # are gigabytes a run: a quoted window's prefix is saved for each text answer)
+            forgotten += undo_questions(mem, [name], kept)
     if bar is not None:
         bar.close()
     return {"users": len(users), "probes": len(rows), "question_states_removed": forgotten, "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),

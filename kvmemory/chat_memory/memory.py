@@ -118,6 +118,14 @@ KEEP = "user"
 # answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
 GUARD = False
 PLACE = "after"
+# a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best
+# turns, however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance).
+# Measured (docs/guides/chat-memory.md, 2026-12-06): at 0.75, on 160 probes at ~100K tokens of history a
+# user (bench_chat_recall.py, histories seed 91410147) as KV 50 -> 70 right (paired 28 / 8); on the
+# scripted benchmark (bench_chat_memory.py, seed 1865097120) 31 -> 30, every update lost (4/12 -> 0/12:
+# a correction shares fewer words with the question than the turn it corrects). Off until a cut keeps
+# corrections; ChatMemory.min_relevance = 0.75 for long histories of unrelated turns
+MIN_RELEVANCE = 0.0
 MAX_USER = 200
 
 
@@ -173,6 +181,17 @@ class Recall:
     messages: tuple[dict, ...] = ()   # the messages layout: the turn's chat messages
 
 
+def relevant_turns(best: dict, bm25: dict, min_relevance: float) -> dict:
+    """best ({doc id: score}, most relevant first) without the turns after the first whose BM25 score
+    is below min_relevance x the first's (kvmemory.retrieve.relevant, a turn for a block: the first
+    turn without a BM25 score, found by the dense ranking alone, cuts nothing)."""
+    first = next(iter(bm25.values()), None)
+    if not min_relevance or not first:
+        return best
+    keep = [d for i, d in enumerate(best) if i == 0 or (bm25[d] or 0.0) >= min_relevance * first]
+    return {d: best[d] for d in keep}
+
+
 @dataclass(frozen=True)
 class Forgotten:
     turns: int
@@ -221,6 +240,8 @@ class ChatMemory:
         self.place = PLACE
         # keep a Python reply from opening as a remembered turn reads (GUARD; kvmemory/chat_memory/guard.py)
         self.guard = GUARD
+        # a turn recalled after the most relevant one needs min_relevance x its BM25 score (MIN_RELEVANCE)
+        self.min_relevance = MIN_RELEVANCE
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -296,6 +317,9 @@ class ChatMemory:
         from kvmemory.retrieve import rank_blocks
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
+        m = self.min_relevance
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
+            raise InputError(f"min_relevance is a fraction of the best turn's BM25 score in [0, 1], got {m!r}")
         if not isinstance(query, str) or not query.strip():
             return []
         store = self.rt.store()
@@ -306,11 +330,12 @@ class ChatMemory:
         skip = f"{self.prefix}{session_key(exclude_session)}:" if exclude_session else None
         ranked = rank_blocks(self.rt, docs, query, "text", n=4 * k,
                              doc_filter=(lambda d: not d.startswith(skip)) if skip else None)
-        live, best = docs.live_map(), {}
+        live, best, bm25 = docs.live_map(), {}, {}
         for h in ranked:
             doc_id = live[h.row][0]
             if doc_id not in best and len(best) < k:
-                best[doc_id] = h.score
+                best[doc_id], bm25[doc_id] = h.score, h.scores.get("bm25")
+        best = relevant_turns(best, bm25, self.min_relevance)
         out = []
         for doc_id, score in best.items():
             entry = store.manifest.docs[doc_id]

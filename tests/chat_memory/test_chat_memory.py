@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvmemory
+from kvmemory.chat_memory.memory import MIN_RELEVANCE
 from kvmemory.store import BlockStore
 
 
@@ -39,6 +40,30 @@ def test_remember_recall_sessions_and_the_latest_turn_last(mem):
     assert "Oslo" in hits[-1].text and hits[-1].time == 200
     assert [s["id"] for s in alice.sessions()][:1] == ["s1"] and len(alice.sessions()) == 6
     assert all(h.session != "s2" for h in alice.recall("Oslo", k=3, exclude_session="s2"))
+
+
+def test_min_relevance_cuts_the_turns_far_less_relevant_than_the_best(mem):
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("My bike lock code is 6090, in case I forget.", "Noted."), "s1", when=100)
+    alice.remember(exchange("The lock in threading holds until the code releases it.", "Yes."), "s2", when=110)
+    for i, f in enumerate(FILLER):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
+    q = "What is the code of my bike lock?"
+    assert alice.min_relevance == MIN_RELEVANCE == 0.0      # the default: the k best, however weak
+    every = alice.recall(q, k=3)
+    assert len(every) == 3 and any("6090" in h.text for h in every)
+    alice.min_relevance = 1.0                     # none after the first is as relevant as it
+    (best,) = alice.recall(q, k=3)
+    assert "6090" in best.text                    # the most relevant turn is always kept
+    alice.min_relevance = 0.4                     # the filler goes (0.35 of the best), the lock turn stays (0.43)
+    cut = alice.recall(q, k=3)
+    assert {h.session for h in cut} == {"s1", "s2"} and [h.session for h in cut] == ["s1", "s2"]
+    for bad in (-0.1, 1.5, True, "0.5"):
+        alice.min_relevance = bad
+        with pytest.raises(kvmemory.InputError, match="min_relevance"):
+            alice.recall(q, k=3)
+    alice.min_relevance = 0.0
+    assert [h.doc_id for h in alice.recall(q, k=3)] == [h.doc_id for h in every]
 
 
 def test_users_are_isolated_by_construction(mem):

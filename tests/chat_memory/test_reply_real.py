@@ -44,7 +44,7 @@ def test_bench_chat_memory_runs(tmp_path):
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
                         "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
-                        "--block-tokens", "64", "--conditions", "none,text,kv,oracle",
+                        "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1,oracle",
                         "--questions", str(bound("KVMEMORY_BENCH_QUESTIONS", 10, 1000))],
                        cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -55,4 +55,18 @@ def test_bench_chat_memory_runs(tmp_path):
     assert n >= 10 and all(s[c]["answered"] == n for c in ("none", "text", "kv", "oracle"))
     assert s["kv"]["evidence_recall"] >= 0.5 and s["kv"]["leak_turns"] == 0 == s["text"]["leak_turns"]
     assert s["kv"]["prefilled_mean"] < s["text"]["prefilled_mean"]
+    assert s["kv-cut1"]["answered"] == n and s["kv-cut1"]["evidence_recall"] <= s["kv"]["evidence_recall"]
     assert next(tmp_path.glob("chat-memory-*.png")).stat().st_size > 0
+
+
+def test_bench_chat_memory_refuses_an_unknown_condition(tmp_path):
+    """A misspelt condition is refused before anything is built (it once ran as the oracle)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    for bad in ("kv-cut1.5", "kv-cutx", "orcale"):
+        p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
+                            "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+        assert p.returncode != 0 and "--conditions" in p.stderr and bad in p.stderr
+    assert list(tmp_path.iterdir()) == []
