@@ -183,8 +183,8 @@ class Recall:
 
 def relevant_turns(best: dict, bm25: dict, min_relevance: float) -> dict:
     """best ({doc id: score}, most relevant first) without the turns after the first whose BM25 score
-    is below min_relevance x the first's (kvmemory.retrieve.relevant, a turn for a block: the first
-    turn without a BM25 score, found by the dense ranking alone, cuts nothing)."""
+    is below min_relevance x the first's (kvmemory.retrieve.relevant, a turn for a block). Where the
+    first turn has no BM25 score (the dense ranking alone found it) nothing is cut."""
     first = next(iter(bm25.values()), None)
     if not min_relevance or not first:
         return best
