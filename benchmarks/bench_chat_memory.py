@@ -255,12 +255,28 @@ def run(args) -> dict:
 KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\n"), "kv-head0": (True, "")}
 
 
+# conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance)
+TUNED = re.compile(r"kv-r([0-9]*\.?[0-9]+)|(kv|text)-cut([0-9]*\.?[0-9]+)")
+FRACTIONS = ("recompute", "min_relevance")
+
+
+def tuned(c: str) -> tuple[str, dict] | None:
+    """A condition that recalls with other ChatMemory settings -> (recall as, {attribute: value}), else None."""
+    if c in KV_VARIANTS:
+        head, foot = KV_VARIANTS[c]
+        return "kv", {"graft_head": head, "foot_text": foot}
+    m = TUNED.fullmatch(c)
+    if m is None:
+        return None
+    return ("kv", {"recompute": float(m.group(1))}) if m.group(1) else (m.group(2), {"min_relevance": float(m.group(3))})
+
+
 def check_conditions(conds: list[str]) -> None:
     """Every condition is one answer() knows (an unknown name is refused before anything is built)."""
     for c in conds:
-        m = re.fullmatch(r"kv-r([0-9]*\.?[0-9]+)|(?:kv|text)-cut([0-9]*\.?[0-9]+)", c)
-        f = None if m is None else (m.group(1) or m.group(2))
-        ok = c in ("none", "text", "kv", "full", "oracle") or c in KV_VARIANTS or (f is not None and float(f) <= 1.0)
+        t = tuned(c)
+        ok = c in ("none", "text", "kv", "full", "oracle") or (
+            t is not None and all(v <= 1.0 for a, v in t[1].items() if a in FRACTIONS))
         if not ok:
             raise SystemExit(f"--conditions: {c!r} is not none, text, kv, full, oracle, {', '.join(KV_VARIANTS)}, "
                              "kv-rF, kv-cutF or text-cutF (F in [0, 1])")
@@ -269,32 +285,18 @@ def check_conditions(conds: list[str]) -> None:
 def answer(mem, cm, u, q, msgs, c, args):
     """(answer, stats) of question q under condition c, or (None, None) where it does not apply."""
     from kvmemory.chat_memory.window import QUOTE_HEAD
-    if c in KV_VARIANTS:                               # the same recall, another window around it
-        head, foot = KV_VARIANTS[c]
-        saved = cm.graft_head, cm.foot_text
-        cm.graft_head, cm.foot_text = head, foot
-        try:
-            return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_="kv", k=args.k,
-                            remember=False)
-        finally:
-            cm.graft_head, cm.foot_text = saved
-    if c.startswith("kv-r"):                           # the same recall, a fraction of it recomputed
-        saved = cm.recompute
-        cm.recompute = float(c[4:])
-        try:
-            return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_="kv", k=args.k,
-                            remember=False)
-        finally:
-            cm.recompute = saved
-    if c.startswith(("kv-cut", "text-cut")):           # the same recall, cut by relevance
-        base, f = c.split("-cut")
-        saved = cm.min_relevance
-        cm.min_relevance = float(f)
+    t = tuned(c)
+    if t is not None:                                  # the same recall, a setting changed for this reply
+        base, settings = t
+        saved = {a: getattr(cm, a) for a in settings}
+        for a, v in settings.items():
+            setattr(cm, a, v)
         try:
             return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=base, k=args.k,
                             remember=False)
         finally:
-            cm.min_relevance = saved
+            for a, v in saved.items():
+                setattr(cm, a, v)
     if c in ("none", "text", "kv"):
         return cm.reply(msgs, session="eval", max_new_tokens=args.max_new_tokens, as_=c, k=args.k, remember=False)
     if c == "full":

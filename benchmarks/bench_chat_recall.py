@@ -269,7 +269,7 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     window.QUOTE_END = "\n" if cond["nl"] else ""
     try:
         text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False,
-                            **({"k": cond["k"]} if cond["k"] else {}))
+                            k=cond["k"] or window.RECALL_TURNS)
     finally:
         window.QUOTE_END = ""
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]

@@ -26,6 +26,13 @@ def check_recompute(recompute) -> None:
                          f"got {recompute!r}")
 
 
+def check_min_relevance(min_relevance, of: str = "block") -> None:
+    """min_relevance (ask, chat memory): a hit after the first needs this fraction of the first's BM25
+    score, a number in [0, 1] (not a boolean)."""
+    if not _num(min_relevance) or not 0.0 <= min_relevance <= 1.0:
+        raise InputError(f"min_relevance is a fraction of the best {of}'s BM25 score in [0, 1], got {min_relevance!r}")
+
+
 def _int(v, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
@@ -72,9 +79,7 @@ class AskOptions:
         check_recompute(self.recompute)
         if not isinstance(self.expand, bool):
             raise InputError(f"expand is true or false, got {self.expand!r}")
-        if not _num(self.min_relevance) or not 0.0 <= self.min_relevance <= 1.0:
-            raise InputError(f"min_relevance is a fraction of the best block's BM25 score in [0, 1], "
-                             f"got {self.min_relevance!r}")
+        check_min_relevance(self.min_relevance)
         if not _int(self.rerank, 0):
             raise InputError(f"rerank is how many ranked blocks to re-rank with the model (0: none), "
                              f"got {self.rerank!r}")

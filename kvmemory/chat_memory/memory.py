@@ -31,7 +31,7 @@ from kvmemory import prompts
 from kvmemory.chat_memory.turns import KEEPS, turn_text
 from kvmemory.documents import Scopes
 from kvmemory.errors import InputError
-from kvmemory.options import check_recompute
+from kvmemory.options import check_min_relevance, check_recompute
 from kvmemory.prelude import USER_DOCS, PromptLayout, Scope
 from kvmemory.runtime import Runtime
 
@@ -181,17 +181,6 @@ class Recall:
     messages: tuple[dict, ...] = ()   # the messages layout: the turn's chat messages
 
 
-def relevant_turns(best: dict, bm25: dict, min_relevance: float) -> dict:
-    """best ({doc id: score}, most relevant first) without the turns after the first whose BM25 score
-    is below min_relevance x the first's (kvmemory.retrieve.relevant, a turn for a block). Where the
-    first turn has no BM25 score (the dense ranking alone found it) nothing is cut."""
-    first = next(iter(bm25.values()), None)
-    if not min_relevance or not first:
-        return best
-    keep = [d for i, d in enumerate(best) if i == 0 or (bm25[d] or 0.0) >= min_relevance * first]
-    return {d: best[d] for d in keep}
-
-
 @dataclass(frozen=True)
 class Forgotten:
     turns: int
@@ -314,12 +303,10 @@ class ChatMemory:
     def recall(self, query: str, k: int = 3, exclude_session: str | None = None) -> list[Recall]:
         """The k turns most relevant to `query` (never of `exclude_session`: the session asking has
         them in its own prompt), oldest first."""
-        from kvmemory.retrieve import rank_blocks
+        from kvmemory.retrieve import rank_blocks, relevant
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
-        m = self.min_relevance
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
-            raise InputError(f"min_relevance is a fraction of the best turn's BM25 score in [0, 1], got {m!r}")
+        check_min_relevance(self.min_relevance, of="turn")
         if not isinstance(query, str) or not query.strip():
             return []
         store = self.rt.store()
@@ -330,14 +317,12 @@ class ChatMemory:
         skip = f"{self.prefix}{session_key(exclude_session)}:" if exclude_session else None
         ranked = rank_blocks(self.rt, docs, query, "text", n=4 * k,
                              doc_filter=(lambda d: not d.startswith(skip)) if skip else None)
-        live, best, bm25 = docs.live_map(), {}, {}
-        for h in ranked:
-            doc_id = live[h.row][0]
-            if doc_id not in best and len(best) < k:
-                best[doc_id], bm25[doc_id] = h.score, h.scores.get("bm25")
-        best = relevant_turns(best, bm25, self.min_relevance)
+        live, firsts = docs.live_map(), {}
+        for h in ranked:                  # each turn by its best block; the cut is ask's, turn for block
+            firsts.setdefault(live[h.row][0], h)
         out = []
-        for doc_id, score in best.items():
+        for h in relevant(list(firsts.values()), k, self.min_relevance):
+            doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]
             meta = json.loads(entry.source)
             text, msgs = self._turn(entry.rows, meta)
