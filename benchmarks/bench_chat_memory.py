@@ -23,7 +23,9 @@ Side by side on the same questions (one run, one machine):
     kv-rR      KV recall with a fraction R of the grafted turns' tokens recomputed in the window
                (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0 (none), kv-r1 (all of them)
     kv-cutF    KV recall keeping a turn after the most relevant one only with F x its BM25 score
-    text-cutF  (ChatMemory.min_relevance; default 0: the k best turns, however weak), e.g. kv-cut0.75
+    text-cutF  (ChatMemory.min_relevance; default 0: the k best turns, however weak), e.g. kv-cut0.75;
+               -cover / -nocover after it: a turn under the cut holding a word of the question no kept
+               turn holds kept at half the best's score, or not (ChatMemory.cover; default: on)
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -255,8 +257,9 @@ def run(args) -> dict:
 KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\n"), "kv-head0": (True, "")}
 
 
-# conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance)
-TUNED = re.compile(r"kv-r([0-9]*\.?[0-9]+)|(kv|text)-cut([0-9]*\.?[0-9]+)")
+# conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
+# then -cover / -nocover), and both: kv-rF-cutF
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(?:-(no)?cover)?)?")
 FRACTIONS = ("recompute", "min_relevance")
 
 
@@ -266,9 +269,14 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if m is None:
+    if m is None or not (m.group(2) or m.group(3)) or (m.group(2) and m.group(1) != "kv"):
         return None
-    return ("kv", {"recompute": float(m.group(1))}) if m.group(1) else (m.group(2), {"min_relevance": float(m.group(3))})
+    settings = {"recompute": float(m.group(2))} if m.group(2) else {}
+    if m.group(3):
+        settings["min_relevance"] = float(m.group(3))
+    if c.endswith("cover"):
+        settings["cover"] = not m.group(4)
+    return m.group(1), settings
 
 
 def check_conditions(conds: list[str]) -> None:
@@ -279,7 +287,7 @@ def check_conditions(conds: list[str]) -> None:
             t is not None and all(v <= 1.0 for a, v in t[1].items() if a in FRACTIONS))
         if not ok:
             raise SystemExit(f"--conditions: {c!r} is not none, text, kv, full, oracle, {', '.join(KV_VARIANTS)}, "
-                             "kv-rF, kv-cutF or text-cutF (F in [0, 1])")
+                             "kv-rF, kv-cutF, text-cutF or kv-rF-cutF (F in [0, 1]; a cut takes -cover or -nocover)")
 
 
 def answer(mem, cm, u, q, msgs, c, args):

@@ -51,6 +51,18 @@ def terms(text: str, stop: frozenset[str] | None = None) -> list[str]:
     return _stemmer().stemWords([w for w in _WORD.findall(text.lower()) if w not in stop])
 
 
+@functools.cache
+def _content_stop() -> frozenset[str]:
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
+    return frozenset(STOPWORDS_EN_PLUS) | _stopwords()
+
+
+def content_terms(text: str) -> set[str]:
+    """The terms that say what a text is about: terms() minus NLTK's longer English stopword list
+    (bm25s' STOPWORDS_EN_PLUS: "what", "my", "which" go too; BM25 keeps them, weighed by rarity)."""
+    return set(terms(text, _content_stop()))
+
+
 K1, B = 1.5, 0.75                # bm25s' defaults
 
 

@@ -31,6 +31,9 @@ MIN_POOL = 64
 # term of the question (recall equal to BM25's on every draw measured).
 FUSION_WEIGHTS = {"dense": 0.05, "bm25": 1.0}
 FUSION_K = 10
+# relevant(held=...): a block below the cut that holds a term of the question no kept block holds needs
+# this fraction of the first block's BM25 score
+COVER = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,27 @@ def rank_blocks(rt: Runtime, docs, question: str, selector: str = "text", n: int
                    {k: raw[k][r] for k in raw if r in raw[k]}) for r, s in order[:n]]
 
 
-def relevant(ranked: list[Ranked], top_k: int, min_relevance: float) -> list[Ranked]:
+def relevant(ranked: list[Ranked], top_k: int, min_relevance: float, held=None) -> list[Ranked]:
     """The first block, then each of the next top_k - 1 whose BM25 score is at least
     min_relevance x the first's: a block far less relevant than the best is a distractor to
     a small model, not help (benchmarks/bench_qa.py measures the cut). Where the first block
-    has no BM25 score (the dense ranking found it alone) nothing is cut."""
+    has no BM25 score (the dense ranking found it alone) nothing is cut.
+
+    held(block) -> the question's terms the block holds: with it, a block below the bar is kept
+    still when it holds a term of the question that no block kept before it holds and scores at
+    least COVER x the first (a question of two facts needs both turns, the second sharing fewer
+    words with it: "What is my locker code, and what is my sister's name?")."""
     if not ranked:
         return []
     best = ranked[0].scores.get("bm25")
     if best is None or min_relevance <= 0:
         return ranked[:top_k]
-    return [ranked[0]] + [h for h in ranked[1:top_k] if h.scores.get("bm25", 0.0) >= min_relevance * best]
+    out, have = [ranked[0]], set(held(ranked[0])) if held else set()
+    for h in ranked[1:top_k]:
+        s, mine = h.scores.get("bm25", 0.0), set(held(h)) if held else set()
+        if s >= min_relevance * best or (s >= min(COVER, min_relevance) * best and not mine <= have):
+            out.append(h)
+            have |= mine
+    return out
 
 

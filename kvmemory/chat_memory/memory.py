@@ -118,14 +118,16 @@ KEEP = "user"
 # answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
 GUARD = False
 PLACE = "after"
-# a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best
-# turns, however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance).
-# Measured (docs/guides/chat-memory.md, 2026-12-06): at 0.75, on 160 probes at ~100K tokens of history a
-# user (bench_chat_recall.py, histories seed 91410147) as KV 50 -> 70 right (paired 28 / 8); on the
-# scripted benchmark (bench_chat_memory.py, seed 1865097120) 31 -> 30, every update lost (4/12 -> 0/12:
-# a correction shares fewer words with the question than the turn it corrects). Off until a cut keeps
-# corrections; ChatMemory.min_relevance = 0.75 for long histories of unrelated turns
-MIN_RELEVANCE = 0.0
+# a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best turns,
+# however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance, the same
+# 0.75); with COVER, one below it holding a content word of the question no kept turn holds comes still at
+# half the best's score (the second fact of "What is my locker code, and what is my sister's name?").
+# Measured as KV against the k best (docs/guides/chat-memory.md, 2026-12-06): 200 probes of the model's own
+# conversations (bench_chat_recall.py, histories seed 856338604) 72 -> 84 right (paired 30 / 18; without
+# COVER 79); 160 probes at ~100K tokens a user (seed 91410147, without COVER) 50 -> 70 (28 / 8); the
+# scripted benchmark (bench_chat_memory.py, seed 1865097120) 31 -> 32 (10 / 9; without COVER 30)
+MIN_RELEVANCE = 0.75
+COVER = True
 MAX_USER = 200
 
 
@@ -231,6 +233,9 @@ class ChatMemory:
         self.guard = GUARD
         # a turn recalled after the most relevant one needs min_relevance x its BM25 score (MIN_RELEVANCE)
         self.min_relevance = MIN_RELEVANCE
+        # with the cut, a turn below it that holds a word of the question no kept turn holds comes still
+        # (COVER; kvmemory.retrieve.relevant's held)
+        self.cover = COVER
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -303,6 +308,7 @@ class ChatMemory:
     def recall(self, query: str, k: int = 3, exclude_session: str | None = None) -> list[Recall]:
         """The k turns most relevant to `query` (never of `exclude_session`: the session asking has
         them in its own prompt), oldest first."""
+        from kvmemory.index.lexical import content_terms
         from kvmemory.retrieve import rank_blocks, relevant
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
@@ -321,7 +327,11 @@ class ChatMemory:
         for h in ranked:                  # each turn by its best block; the cut is ask's, turn for block
             firsts.setdefault(live[h.row][0], h)
         out = []
-        for h in relevant(list(firsts.values()), k, self.min_relevance):
+        asked = content_terms(query)
+
+        def held(h):                      # the question's content terms in the turn's best block (COVER)
+            return asked & content_terms(self.rt.tokenizer.decode(store.token_ids([h.row]), skip_special_tokens=True))
+        for h in relevant(list(firsts.values()), k, self.min_relevance, held if self.cover else None):
             doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]
             meta = json.loads(entry.source)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvmemory
-from kvmemory.chat_memory.memory import MIN_RELEVANCE
+from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE
 from kvmemory.store import BlockStore
 
 
@@ -49,7 +49,8 @@ def test_min_relevance_cuts_the_turns_far_less_relevant_than_the_best(mem):
     for i, f in enumerate(FILLER):
         alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
     q = "What is the code of my bike lock?"
-    assert alice.min_relevance == MIN_RELEVANCE == 0.0      # the default: the k best, however weak
+    assert alice.min_relevance == MIN_RELEVANCE == 0.75     # the default (ask's too)
+    alice.min_relevance = 0.0                     # off: the k best, however weak
     every = alice.recall(q, k=3)
     assert len(every) == 3 and any("6090" in h.text for h in every)
     alice.min_relevance = 1.0                     # none after the first is as relevant as it
@@ -64,6 +65,28 @@ def test_min_relevance_cuts_the_turns_far_less_relevant_than_the_best(mem):
             alice.recall(q, k=3)
     alice.min_relevance = 0.0
     assert [h.doc_id for h in alice.recall(q, k=3)] == [h.doc_id for h in every]
+
+
+def test_a_question_of_two_facts_keeps_both_turns_under_the_cut(mem):
+    """The cut keeps a turn far less relevant than the best when it holds a word of the question no kept
+    turn holds (COVER): the second fact of a two-part question is not a distractor."""
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("Please remember that my locker code is 8453.", "Noted."), "s1", when=100)
+    alice.remember(exchange("My sister is called Nils.", "Nice name."), "s2", when=200)
+    alice.remember(exchange("The code review of my gym locker app took all day.", "Busy!"), "s3", when=300)
+    more = ["What is my horoscope for today?", "What should I cook tonight?", "What is a haiku?",
+            "My garden needs rain.", "What time is it in Tokyo?", "My cat sleeps all day."]
+    for i, f in enumerate(FILLER + more):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=400 + i)
+    q = "What is my locker code, and what is my sister's name?"
+    assert alice.cover is COVER is True
+    alice.min_relevance = 0.9         # a store this small scores every turn close: the sister's is 0.83 of the best
+    both = alice.recall(q, k=3)
+    assert [h.session for h in both] == ["s1", "s2"]     # the code review (0.88) holds no word the locker turn lacks
+    alice.cover = False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1"]     # the cut alone: the sister is under it
+    alice.min_relevance = 0.0
+    assert len(alice.recall(q, k=3)) == 3                   # no cut: the k best, cover or not
 
 
 def test_users_are_isolated_by_construction(mem):
@@ -315,6 +338,7 @@ def test_the_messages_layout_keeps_a_turn_as_its_chat_messages(mem):
     # (words without a control token's spelling: the text path renders its prompt through the template,
     # which would parse it)
     carol = mem.chat_memory("carol", layout="messages", recompute=0.0)
+    carol.min_relevance = 0.0                      # both turns recalled (the cut would keep the locker alone)
     carol.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
     carol.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
     msgs = [{"role": "user", "content": "What is my locker code?"}]
@@ -366,6 +390,7 @@ def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, m
     from kvmemory.chat_memory.window import build, inline_parts, quoted, split
     tok = mem.tokenizer
     alice = mem.chat_memory("alice", recompute=0.0)
+    alice.min_relevance = 0.0                      # both turns recalled (the cut would keep the locker alone)
     assert alice.place == "after"
     alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
     alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)

@@ -16,6 +16,11 @@ def exchange(u, a):
 def test_a_fact_from_an_earlier_session_is_answered_from_kv(tmp_path, real_model):
     mem = kvmemory.Memory(tmp_path / "r.kvm", model=real_model)
     alice = mem.chat_memory("alice")
+    # the three best turns (the setting this test was written for): under the default cut (MIN_RELEVANCE) the
+    # locker turn comes alone and to this very question the model answers "I'm sorry for any confusion, but as
+    # a chatbot ..." (one of its misses; on 99 one-turn probes of bench_chat_recall the cut answered 54, the
+    # oracle 51: docs/guides/chat-memory.md). tests/chat_memory/test_server_memory.py asks under the default
+    alice.min_relevance = 0.0
     alice.remember(exchange("Please remember that my locker code is 4417.", "Got it, your locker code is 4417."),
                    "s1", when=1.7e9)
     alice.remember(exchange("I had pasta with mushrooms for dinner.", "Sounds tasty!"), "s2", when=1.7e9 + 86400)
@@ -44,7 +49,7 @@ def test_bench_chat_memory_runs(tmp_path):
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
                         "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
-                        "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1,oracle",
+                        "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1-nocover,oracle",
                         "--questions", str(bound("KVMEMORY_BENCH_QUESTIONS", 10, 1000))],
                        cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -55,7 +60,9 @@ def test_bench_chat_memory_runs(tmp_path):
     assert n >= 10 and all(s[c]["answered"] == n for c in ("none", "text", "kv", "oracle"))
     assert s["kv"]["evidence_recall"] >= 0.5 and s["kv"]["leak_turns"] == 0 == s["text"]["leak_turns"]
     assert s["kv"]["prefilled_mean"] < s["text"]["prefilled_mean"]
-    assert s["kv-cut1"]["answered"] == n and s["kv-cut1"]["evidence_recall"] <= s["kv"]["evidence_recall"]
+    # one turn a question (nothing after the best is as relevant as it, and no cover) finds no more evidence
+    assert s["kv-cut1-nocover"]["answered"] == n
+    assert s["kv-cut1-nocover"]["evidence_recall"] <= s["kv"]["evidence_recall"]
     assert next(tmp_path.glob("chat-memory-*.png")).stat().st_size > 0
 
 
@@ -65,7 +72,7 @@ def test_bench_chat_memory_refuses_an_unknown_condition(tmp_path):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    for bad in ("kv-cut1.5", "kv-cutx", "orcale"):
+    for bad in ("kv-cut1.5", "kv-cutx", "orcale", "text-r0.3", "kv-r0.3-cut2", "kv-cover"):
         p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
                             "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "--conditions" in p.stderr and bad in p.stderr
