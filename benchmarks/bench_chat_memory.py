@@ -21,9 +21,10 @@ Side by side on the same questions (one run, one machine):
     kv-head    ... with their prelude grafted before them (a user message of their own) and closed
     kv-head0   ... with their prelude grafted, not closed
     kv-rR      KV recall with a fraction R of the grafted turns' tokens recomputed in the window
-               (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0 (none), kv-r1 (all of them)
+               (CacheBlend-style: those whose K/V deviate most), e.g. kv-r0 (none), kv-r1 (all of them);
+               with a cut after it: kv-r0-cut0.75
     kv-cutF    KV recall keeping a turn after the most relevant one only with F x its BM25 score
-    text-cutF  (ChatMemory.min_relevance; default 0: the k best turns, however weak), e.g. kv-cut0.75;
+    text-cutF  (ChatMemory.min_relevance; default 0.75; 0: the k best turns, however weak), e.g. kv-cut0;
                -cover / -nocover after it: a turn under the cut holding a word of the question no kept
                turn holds kept at half the best's score, or not (ChatMemory.cover; default: on)
     full       the whole history as text, where it fits the window
@@ -259,7 +260,7 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
 # then -cover / -nocover), and both: kv-rF-cutF
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(?:-(no)?cover)?)?")
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?")
 FRACTIONS = ("recompute", "min_relevance")
 
 
@@ -274,8 +275,8 @@ def tuned(c: str) -> tuple[str, dict] | None:
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}
     if m.group(3):
         settings["min_relevance"] = float(m.group(3))
-    if c.endswith("cover"):
-        settings["cover"] = not m.group(4)
+    if m.group(4):
+        settings["cover"] = m.group(4) == "-cover"
     return m.group(1), settings
 
 

@@ -30,7 +30,7 @@ kvmemory/chat_memory/guard.py; text conditions take it too), -inline (grafted in
 system message, where quoting puts the turns: ChatMemory.place = "system"), -nl (text: the last
 quoted turn keeps its newline, as the turns a system-placed graft holds do), -kN (N turns recalled;
 default 3), -cutF (a turn recalled after the most relevant one needs F x its BM25 score:
-ChatMemory.min_relevance; without it the default's, 0: the k best turns), -cover / -nocover (under
+ChatMemory.min_relevance; without it the default's, 0.75; -cut0: the k best turns), -cover / -nocover (under
 the cut, a turn holding a word of the question no kept turn holds is kept at half the best's score, or
 not: ChatMemory.cover; without either the default's), e.g. kv-user-system-r0.6, kv-user-cut0.75-nocover. --store DIR keeps the histories (the store and the probes) and reuses them: the
 conditions of several runs are then paired on the same conversations.
@@ -188,7 +188,7 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(?:-(no)?cover)?", c)
+                     r"(-guard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
@@ -199,7 +199,7 @@ def condition(c: str) -> dict:
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
             "guard": bool(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9)),
             "k": int(m.group(10)) if m.group(10) else None, "cut": float(m.group(11)) if m.group(11) else None,
-            "cover": None if m.group(12) is None and not c.endswith("-cover") else not m.group(12)}
+            "cover": {"-cover": True, "-nocover": False}.get(m.group(12))}
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:

@@ -104,8 +104,11 @@ def relevant(ranked: list[Ranked], top_k: int, min_relevance: float, held=None) 
         return ranked[:top_k]
     out, have = [ranked[0]], set(held(ranked[0])) if held else set()
     for h in ranked[1:top_k]:
-        s, mine = h.scores.get("bm25", 0.0), set(held(h)) if held else set()
-        if s >= min_relevance * best or (s >= min(COVER, min_relevance) * best and not mine <= have):
+        s = h.scores.get("bm25", 0.0)
+        if s < min(COVER, min_relevance) * best:
+            continue                                   # under both bars: its terms are not read
+        mine = set(held(h)) if held else set()
+        if s >= min_relevance * best or not mine <= have:
             out.append(h)
             have |= mine
     return out
