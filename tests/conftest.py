@@ -26,6 +26,11 @@ def pytest_report_header(config):
     return f"kvmemory test seed: {SEED} (reproduce with KVMEMORY_TEST_SEED={SEED}); long tests {size}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # the header is not shown under -q (make test, CI): the seed a failure needs is given here too
+    terminalreporter.write_line(f"kvmemory test seed: {SEED} (reproduce with KVMEMORY_TEST_SEED={SEED})")
+
+
 @pytest.fixture
 def rng():
     return random.Random(SEED)

@@ -75,8 +75,8 @@ def test_e3_native_slot_graft_is_the_stored_state_exactly(tmp_path, real_model):
         assert torch.equal(a, b)
 
 
-def test_text_selector_finds_the_needle_block(tmp_path, real_model):
-    r = random.Random()
+def test_text_selector_finds_the_needle_block(tmp_path, real_model, rng):
+    r = rng
     filler = ["The committee reviewed the budget for the new library wing.",
               "Rain fell steadily over the northern hills during the harvest.",
               "Engineers inspected the bridge cables after the storm passed.",
@@ -95,19 +95,27 @@ def test_text_selector_finds_the_needle_block(tmp_path, real_model):
         assert ans.stats["tokens_prefilled"] < 40 and ans.stats["store_tokens"] == info.n_tokens
 
 
-def _log_doc(r: random.Random, n: int, needle: str, at: int) -> str:
+def _log_doc(r: random.Random, n: int, needle: str, at: int, tok=None, before: str = "", block: int = 256) -> str:
+    """n filler sentences with needle inserted at sentence `at`; given the tokenizer (and the text that
+    comes before this one in the document), the needle moves on until it lies wholly inside one block,
+    so that a question's best blocks are the needles' own (a needle cut in two scores as two halves)."""
     filler = ["The harbour master logs every ship that enters the bay.", "Gulls circle the fish market at dawn.",
               "A ferry leaves for the islands twice a day.", "The lighthouse keeper paints the rail each spring.",
               "Fog rolls in from the sea on autumn evenings.", "Traders weigh the catch on brass scales."]
     parts = [r.choice(filler) for _ in range(n)]
+    if tok is not None:
+        def start(i: int) -> int:
+            return len(tok(before + " ".join(parts[:i]) + " ", add_special_tokens=False)["input_ids"]) % block
+        while not 8 <= start(at) <= block - 32:
+            at += 1
     parts.insert(at, needle)
     return " ".join(parts)
 
 
-def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exactly(tmp_path, real_model):
+def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exactly(tmp_path, real_model, rng):
     """A selected block deep in its segment comes with the blocks before it; grafted at their deposit
     positions, the window is byte for byte the stored chain: logits equal (KL 0)."""
-    r = random.Random()
+    r = rng
     with kvmemory.Memory(tmp_path / "x.kvm", model=real_model) as mem:
         text = _log_doc(r, 150, "The quartermaster's zyxquor token is 5581.", 60)  # block 1 or 2 of segment 0
         mem.add(text, doc_id="log")
@@ -127,16 +135,17 @@ def test_segment_expansion_grafts_the_selected_block_behind_its_own_context_exac
         print(f"\nexpansion: {st['blocks']} blocks grafted exactly; reply {ans.text!r}")
 
 
-def test_reread_prefills_what_follows_the_exact_prefix_the_canonical_way(tmp_path, real_model):
+def test_reread_prefills_what_follows_the_exact_prefix_the_canonical_way(tmp_path, real_model, rng):
     """reread (the default): a window of two runs grafts its exact prefix (the prelude and the first
     run, from its segment's start) and prefills the second run's tokens over it with the question,
     block by block: the first answer token's logits are bit-identical to restoring the first run's
     stored chain and prefilling the rest of the window's text and the question the canonical way.
     The second run's blocks are not read. Grafted instead (reread=False), the logits differ."""
-    r = random.Random()
+    r = rng
     with kvmemory.Memory(tmp_path / "w.kvm", model=real_model) as mem:
-        text = (_log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 60) + " " +
-                _log_doc(r, 200, "The zyxquor token of the pier is 7730.", 150))       # segments apart
+        first = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 60, tok=real_model[1]) + " "
+        text = first + _log_doc(r, 200, "The zyxquor token of the pier is 7730.", 150, tok=real_model[1],
+                                before=first)                                        # segments apart
         mem.add(text, doc_id="log")
         q = "What is the zyxquor token?"
         kw = dict(top_k=2, selector="bm25", rerank=0, min_relevance=0.0, max_new_tokens=8)
@@ -164,10 +173,10 @@ def test_reread_prefills_what_follows_the_exact_prefix_the_canonical_way(tmp_pat
         assert kl_divergence(ref.float(), grafted.first_logits) > 0
 
 
-def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model):
+def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model, rng):
     """r = 1.0 recomputes every window token: the window's text re-prefilled in one pass. r = 0
     (pure graft, blocks from different segments side by side) deviates measurably."""
-    r = random.Random()
+    r = rng
     with kvmemory.Memory(tmp_path / "y.kvm", model=real_model) as mem:
         text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
         mem.add(text, doc_id="log")
@@ -190,11 +199,11 @@ def test_recompute_one_equals_re_prefilling_the_window_text(tmp_path, real_model
         assert full.stats["tokens_recomputed"] == full.stats["tokens_restored"]
 
 
-def test_seams_as_long_as_the_runs_equal_re_prefilling_and_best_last_orders_the_window(tmp_path, real_model):
+def test_seams_as_long_as_the_runs_equal_re_prefilling_and_best_last_orders_the_window(tmp_path, real_model, rng):
     """seam=n recomputes the first n tokens of each run that meets context it was not computed in;
     with n as long as the runs every grafted token after the exact prefix is recomputed, which is the
     window's text re-prefilled. order="best_last" grafts the same blocks with the best block's run last."""
-    r = random.Random()
+    r = rng
     with kvmemory.Memory(tmp_path / "z.kvm", model=real_model) as mem:
         text = _log_doc(r, 420, "The quartermaster's zyxquor token is 5581.", 300)
         mem.add(text, doc_id="log")

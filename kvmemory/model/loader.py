@@ -203,4 +203,26 @@ def load_model(spec=None, *, tokenizer=None, cache_dir: Path, dtype=None, device
             raise ModelLoadError("a loaded model needs its tokenizer: Memory(path, model=m, tokenizer=t)")
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
     model.eval()
+    warm_up(model)
     return model, tok, name
+
+
+def warm_up(model) -> None:
+    """One forward of a few tokens, its result dropped, for a half-precision (bfloat16, float16)
+    model on CPU, before anything it computes is kept. Measured on the 2-core AMX Xeon (2026-12-06,
+    torch 2.13.0): in a process that has run a float32 GEMM before the model's first bf16 forward
+    (a start-up timing did; an embedding model does), that first forward's KV bytes differed from
+    process to process (3 values in 8 processes for one 256-token prompt), every later forward the
+    same bits; after this warm-up, the same bytes in every process (14 of 14, with float32 GEMMs
+    before and after it). Why the first forward rounds otherwise is not known here; that it is
+    the first is measured (tests/model/test_dtype.py). A float32 model's first forward needs none
+    (8 of 8 servers the same)."""
+    import torch
+
+    from kvmemory.model.half import HALF
+
+    p = next(model.parameters(), None)
+    if p is None or p.dtype not in HALF or p.device.type != "cpu":
+        return
+    with torch.inference_mode():
+        model(input_ids=torch.ones(1, 8, dtype=torch.long))

@@ -1,6 +1,6 @@
 """serve's dtype when nobody chose one (kvmemory/model/choose.py): bfloat16 only where this CPU has the
-instructions and a bf16 GEMM measures faster at start-up, for the default model whose answers were
-measured; float32 otherwise; a store opens in its own dtype; /health says which and why."""
+instructions (never a timing: the same machine, the same choice), for the default model whose answers
+were measured; float32 otherwise; a store opens in its own dtype; /health says which and why."""
 
 import os
 import subprocess
@@ -12,24 +12,19 @@ import pytest
 from kvmemory.model import choose
 
 
-def test_the_choice_follows_the_cpu_the_measurement_and_the_model(monkeypatch):
+def test_the_choice_follows_the_cpu_and_the_model_and_times_nothing(monkeypatch):
     monkeypatch.setattr(choose, "cpu_flags", lambda: {"avx2", "avx512f"})
     d, why = choose.default_dtype()
     assert d == "float32" and "neither AVX-512 BF16 nor AMX" in why
-    monkeypatch.setattr(choose, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(choose, "gemm_speedup", lambda: 1.1)
-    d, why = choose.default_dtype()
-    assert d == "float32" and "only 1.10x" in why
-    monkeypatch.setattr(choose, "gemm_speedup", lambda: 2.4)
-    d, why = choose.default_dtype()
-    assert d == "bfloat16" and "avx512_bf16" in why and "2.4x" in why
-    d, why = choose.default_dtype(default_model=False)
-    assert d == "float32" and "not measured" in why
-
-
-def test_the_gemm_is_measured_here():
-    s = choose.gemm_speedup(rows=32, dim=128, reps=2)
-    assert s > 0
+    for flags, named in (({"avx512f", "avx512_bf16"}, "avx512_bf16"), ({"amx_bf16", "amx_tile"}, "amx_bf16")):
+        monkeypatch.setattr(choose, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(time, "perf_counter", lambda: pytest.fail("the dtype choice timed something"))
+        d, why = choose.default_dtype()
+        monkeypatch.undo()
+        assert d == "bfloat16" and named in why, why
+        monkeypatch.setattr(choose, "cpu_flags", lambda flags=flags: flags)
+        d, why = choose.default_dtype(default_model=False)
+        assert d == "float32" and "not measured" in why
 
 
 def test_health_says_the_dtype_and_why(tmp_path, tiny_dir):

@@ -208,3 +208,31 @@ def test_a_bfloat16_server_without_a_row_scheme_says_so_and_runs_plain(tmp_path,
         with pytest.raises(inv.InvariantUnavailableError):
             create_app(mem, batch=4, invariant_rows=True)
         assert create_app(mem, batch=4, invariant_rows=False).state.worker.batcher.scheme is None
+
+
+_AFTER_A_FLOAT32_GEMM = """
+import hashlib, random, sys, torch
+a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+for x, y in ((a, b), (a.bfloat16(), b.bfloat16())) * 3:          # GEMMs first, as a start-up timing ran
+    x @ y
+import kvmemory
+ids = [random.Random(int(sys.argv[2])).randrange(49152) for _ in range(256)]
+with kvmemory.Memory(sys.argv[1], dtype="bfloat16", cache_dir=sys.argv[3]) as mem:
+    print(hashlib.sha256(mem.save(ids).kv.float().numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.real_model
+def test_a_bfloat16_prefill_is_the_same_bytes_in_every_process(tmp_path, cache_dir, rng):
+    """The real model in bfloat16, in four fresh processes that each ran float32 and bfloat16 GEMMs
+    before it (as a start-up timing did): one 256-token prompt's KV is the same bytes in all (the loader's warm-up forward,
+    kvmemory.model.loader.warm_up; without it the first bf16 forward after a float32 GEMM gave 3
+    different values in 8 processes on the AMX Xeon). A server's restored and recomputed replies
+    rest on this (tests/server/test_server.py, across SIGKILL)."""
+    import subprocess
+    import sys
+    seed = rng.randrange(2**31)
+    digests = [subprocess.run([sys.executable, "-c", _AFTER_A_FLOAT32_GEMM, str(tmp_path / f"p{i}.kvm"), str(seed),
+                               str(cache_dir)], capture_output=True, text=True, check=True).stdout.strip()
+               for i in range(4)]
+    assert len(digests[0]) == 64 and len(set(digests)) == 1, digests
