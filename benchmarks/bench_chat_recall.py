@@ -38,7 +38,10 @@ conditions of several runs are then paired on the same conversations.
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
 that continue remembered prose (opening as a remembered turn reads: "You replied", "the user said";
 or, not answering, repeating the opening of words the window showed: a recalled message or reply;
-continues_prose), of those opening as a remembered turn alone, median TTFT. JSON + PNG.
+continues_prose), of those opening as a remembered turn alone, the share of stale answers (naming the
+value the user told before correcting it: answers, wrong, not continuations; the judge before
+2026-12-06 counted them, continues_v2, shown beside), median TTFT. JSON + PNG. --rejudge FILE judges
+an earlier result file's stored answers again with today's judge.
 
 -messages (kv-user-messages, text-user-messages): the turns kept as the chat messages they were (the
 user's words a user message of their own), grafted (kv) or quoted (text) before the new message.
@@ -137,13 +140,20 @@ def opens_as_memory(answer: str) -> bool:
     return any(a.startswith(c) or c in a[:40] for c in CONTINUES)
 
 
-def continues_prose(answer: str, shown: list[str], is_right: bool) -> bool:
+def continues_prose(answer: str, shown: list[str], is_right: bool, stale: bool = False) -> bool:
     """An answer that continues remembered prose instead of answering: it opens as a remembered turn
     reads, or, not answering, repeats the opening (20 characters) of words the window showed it: a
     recalled user's message or reply (`shown`). An opening the model has without them (its habit: "I'm
-    sorry for any confusion, ...") is not a repetition of memory, nor is a right answer that quotes the
-    user's own sentence ("The door code at work is 8013.")."""
-    return opens_as_memory(answer) or (not is_right and repeats(answer, shown))
+    sorry for any confusion, ...") is not a repetition of memory, nor is an answer that quotes the
+    user's own sentence with a value of the fact: the right one ("The door code at work is 8013."), or
+    (stale) the one the user told before correcting it, a wrong answer but an answer (from 2026-12-06;
+    the judge before counted those: continues_v2)."""
+    return opens_as_memory(answer) or (not is_right and not stale and repeats(answer, shown))
+
+
+def is_stale(p: dict, answer: str, is_right: bool) -> bool:
+    """A wrong answer that names the value the user told before correcting it."""
+    return not is_right and p["old"] is not None and p["old"].casefold() in answer.casefold()
 
 
 def continues_v1(answer: str, replies: list[str]) -> bool:
@@ -280,8 +290,10 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     if cond["base"] == "oracle":
         shown = [p.get("fix") or p["tell"]]
     ok = right(p, text)
-    return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok),
-            "opens_as_memory": opens_as_memory(text), "continues_v1": continues_v1(text, replies),
+    stale = is_stale(p, text, ok)
+    return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok, stale), "stale": stale,
+            "continues_v2": continues_prose(text, shown, ok), "opens_as_memory": opens_as_memory(text),
+            "continues_v1": continues_v1(text, replies),
             "ttft_s": st["ttft_s"], "recalled": len(st.get("recalled", [])),
             "recalled_tokens": sum(r["tokens"] for r in st.get("recalled", [])),
             "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
@@ -386,6 +398,8 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "continues": sum(r[c]["continues"] for r in rows) / n,
                   "opens_as_memory": sum(r[c].get("opens_as_memory", False) for r in rows) / n,
                   "continues_v1": sum(r[c].get("continues_v1", r[c]["continues"]) for r in rows) / n,
+                  "continues_v2": sum(r[c].get("continues_v2", r[c]["continues"]) for r in rows) / n,
+                  "stale": sum(r[c].get("stale", False) for r in rows) / n,
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
                   "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
     for kv in conds:                                  # each kv condition against quoting the same turns
@@ -403,6 +417,19 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
     return out
 
 
+def rejudge(res: dict) -> dict:
+    """A result file's rows judged again: a stale answer (is_stale) no longer continues prose (the judge
+    before counted it: continues_v2, kept). Exact from the stored fields: the judge changed only there."""
+    conds = [c for c in res["summary"] if not c.startswith("paired_")]
+    for r in res["rows"]:
+        for c in conds:
+            x = r[c]
+            x.setdefault("continues_v2", x["continues"])
+            x["stale"] = is_stale(r, x["answer"], x["right"])
+            x["continues"] = x["continues_v2"] and (x["opens_as_memory"] or not x["stale"])
+    return {**res, "summary": summarize(res["rows"], conds)}
+
+
 def _bar(total: int, desc: str):
     if not sys.stderr.isatty():
         return None
@@ -411,14 +438,14 @@ def _bar(total: int, desc: str):
 
 
 def table(res: dict) -> str:
-    lines = ["| condition | right | accuracy (Wilson 95%) | continues prose (opens as memory) | evidence recalled "
-             "| median TTFT |", "|---|---|---|---|---|---|"]
+    lines = ["| condition | right | accuracy (Wilson 95%) | continues prose (opens as memory) | stale (judge before) "
+             "| evidence recalled | median TTFT |", "|---|---|---|---|---|---|---|"]
     for c, s in res["summary"].items():
         if c.startswith("paired_"):
             continue
         lo, hi = s["wilson95"]
         lines.append(f"| {c} | {s['right']}/{s['n']} | {s['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | {s['continues']:.1%} "
-                     f"({s['opens_as_memory']:.1%}) "
+                     f"({s['opens_as_memory']:.1%}) | {s.get('stale', 0):.1%} ({s.get('continues_v2', s['continues']):.1%}) "
                      f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
     for c, p in res["summary"].items():
         if c.startswith("paired_"):
@@ -444,8 +471,14 @@ def main() -> int:
                     help="comma-separated; kv variants take -system, -end, -rF suffixes (see above)")
     ap.add_argument("--store", default=None, metavar="DIR",
                     help="keep the histories here, or reuse them if DIR holds them (default: a temp dir, built anew)")
+    ap.add_argument("--rejudge", default=None, metavar="FILE",
+                    help="judge a result file's stored answers again with today's judge (continues_prose) and "
+                         "print its table; nothing is run")
     add_common_args(ap)
     args = ap.parse_args()
+    if args.rejudge:
+        print(table(rejudge(json.loads(Path(args.rejudge).read_text()))))
+        return 0
     seed = seed_of(args)
     res = run(args, seed)
     print(table(res))

@@ -31,6 +31,18 @@ def test_the_judge():
     assert not b.continues_prose("The door code at work is 8013.", ["The door code at work is 8013."], True)
     assert b.continues_prose("The door code at work is 8013.", ["The door code at work is 8013."], False)
     assert not b.continues_prose("Your locker combination is 52917.", [habit], True)
+    code = {"value": "3621", "old": "6472"}                 # told 6472, then "They reset the door code to 3621"
+    stale = "The door code at work is 6472."
+    assert b.is_stale(code, stale, b.right(code, stale)) and not b.is_stale(code, "It is 3621.", True)
+    assert not b.is_stale(code, "The door code at work is 1234.", False)
+    assert not b.continues_prose(stale, [stale], False, stale=True)       # an answer, stale: not a continuation
+    assert b.continues_prose("The user said: " + stale, [stale], False, stale=True)    # the form still counts
+    res = {"summary": {"kv": {}}, "rows": [{**code, "kv": {"answer": a, "right": False, "continues": True,
+                                                           "opens_as_memory": a.startswith("The user"),
+                                                           "ttft_s": 0.1, "found": True}}
+                                           for a in (stale, "The user said: " + stale, "The door code at work is")]}
+    again = b.rejudge(res)["summary"]["kv"]                 # judged again from the stored fields
+    assert again["continues"] == 2 / 3 and again["continues_v2"] == 1 and again["stale"] == 2 / 3
     assert b.continues_v1(habit, [habit])                                 # the first judge counted habits too
     assert b._messages("On 2026-12-04, the user said: hi there\nYou replied: hello\n") == [
         {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
