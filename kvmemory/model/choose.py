@@ -1,7 +1,7 @@
 """The dtype `kvmemory serve` computes in when nobody chose one: decided by this CPU's instructions.
 
 bfloat16 prefills the default model ~2.6x and decodes it ~1.8x faster than float32 on a CPU with
-AVX-512 BF16 (the 2-core EPYC, benchmarks/results/dtype-2026-12-04.json), more with AMX, and the
+AVX-512 BF16 (the 2-core EPYC, benchmarks/results/dtype-2026-12-04.json; a bf16 GEMM ~6x on the AMX Xeon), and the
 default model's answers in it were measured no worse (bench_qa, one draw of 60 questions: 31/60
 against 30/60 in float32; docs/concepts/precision.md); on a CPU without those instructions bf16 is
 slower. So a new store of the default model is served in bfloat16 where this CPU has AVX-512 BF16
