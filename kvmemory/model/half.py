@@ -47,11 +47,15 @@ def sdpa32(query32, key, value, mask, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def on_cpu(model) -> bool:
+    """A half-precision (bfloat16, float16) model on CPU."""
+    p = next(model.parameters(), None)
+    return p is not None and p.dtype in HALF and p.device.type == "cpu"
+
+
 def wanted(model) -> bool:
     """A half-precision model on CPU with transformers' SDPA attention (what install replaces)."""
-    p = next(model.parameters())
-    return (p.dtype in HALF and p.device.type == "cpu"
-            and getattr(model.config, "_attn_implementation", None) in ("sdpa", NAME))
+    return on_cpu(model) and getattr(model.config, "_attn_implementation", None) in ("sdpa", NAME)
 
 
 def set_attention(model, name: str) -> None:

@@ -219,10 +219,9 @@ def warm_up(model) -> None:
     (8 of 8 servers the same)."""
     import torch
 
-    from kvmemory.model.half import HALF
+    from kvmemory.model import half
 
-    p = next(model.parameters(), None)
-    if p is None or p.dtype not in HALF or p.device.type != "cpu":
+    if not half.on_cpu(model):
         return
     with torch.inference_mode():
         model(input_ids=torch.ones(1, 8, dtype=torch.long))
