@@ -35,7 +35,7 @@ def ask(client, user, session, text, **kw):
 def test_recall_across_sessions_isolation_and_forgetting(served):
     url, mem = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    first = ask(client, "alice", "s1", "Remember this: my locker code is 4417 at the harbour gym.")
+    first = ask(client, "alice", "s1", "Remember this: my locker code is tamarind 4417 at the harbour gym.")
     assert first.model_extra["kvmemory"]["recalled"] == []             # nothing kept yet
     ask(client, "alice", "s3", "I enjoy long walks along the river in autumn.")
     r = ask(client, "alice", "s2", "What is my locker code at the harbour gym?")
@@ -51,7 +51,7 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
     assert any("4417" in x["text"] for x in last.model_extra["kvmemory"]["recalled"])
     # another user: recalls nothing of alice's, and alice's exact prompt is no cache hit for bob
-    b = ask(client, "bob", "b1", "Remember this: my locker code is 4417 at the harbour gym.")
+    b = ask(client, "bob", "b1", "Remember this: my locker code is tamarind 4417 at the harbour gym.")
     assert b.model_extra["kvmemory"]["recalled"] == [] and b.usage.prompt_tokens_details.cached_tokens == 0
     assert first.usage.prompt_tokens == b.usage.prompt_tokens
     b2 = ask(client, "bob", "b2", "What is my locker code at the harbour gym?")
@@ -77,9 +77,10 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     assert last.model_extra["kvmemory"]["recalled"] == []
     assert httpx.get(url + "/v1/users/bob/memory").json()["turns"] == 2     # bob's memory untouched
     # encrypted: no file beside or in the store holds the code told (as a word: in text, BM25 terms,
-    # the server's session records); in a plain store they do
+    # the server's session records); in a plain store they do. The needle is the code's word, not its
+    # digits: "4417" turns up by chance in the plain log's timestamps and hex digests (CI, seed 922283318)
     from tests.store.test_encryption import files_of, scan
-    found = scan([p.read_bytes() for p in files_of(mem.path)], {"word": b"4417"})
+    found = scan([p.read_bytes() for p in files_of(mem.path)], {"word": b"tamarind"})
     assert found == (set() if sealer is not None else {"word"})
 
 
