@@ -27,6 +27,9 @@ Side by side on the same questions (one run, one machine):
     text-cutF  (ChatMemory.min_relevance; default 0.75; 0: the k best turns, however weak), e.g. kv-cut0;
                -cover / -nocover after it: a turn under the cut holding a word of the question no kept
                turn holds kept at half the best's score, or not (ChatMemory.cover; default: on)
+    -guard     last on a kv or text condition: the reply kept from opening as a remembered turn reads
+    -noguard   ("The user said: ..."; kvmemory/chat_memory/guard.py), or not (ChatMemory.guard), e.g.
+               kv-noguard, kv-r0-guard, text-cut0-guard
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -259,8 +262,8 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 
 
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
-# then -cover / -nocover), and both: kv-rF-cutF
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?")
+# then -cover / -nocover), and both: kv-rF-cutF; -guard / -noguard last (ChatMemory.guard)
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 
 
@@ -270,13 +273,15 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if m is None or not (m.group(2) or m.group(3)) or (m.group(2) and m.group(1) != "kv"):
+    if m is None or not (m.group(2) or m.group(3) or m.group(5)) or (m.group(2) and m.group(1) != "kv"):
         return None
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}
     if m.group(3):
         settings["min_relevance"] = float(m.group(3))
     if m.group(4):
         settings["cover"] = m.group(4) == "-cover"
+    if m.group(5):
+        settings["guard"] = m.group(5) == "-guard"
     return m.group(1), settings
 
 
@@ -288,7 +293,8 @@ def check_conditions(conds: list[str]) -> None:
             t is not None and all(v <= 1.0 for a, v in t[1].items() if a in FRACTIONS))
         if not ok:
             raise SystemExit(f"--conditions: {c!r} is not none, text, kv, full, oracle, {', '.join(KV_VARIANTS)}, "
-                             "kv-rF, kv-cutF, text-cutF or kv-rF-cutF (F in [0, 1]; a cut takes -cover or -nocover)")
+                             "kv-rF, kv-cutF, text-cutF or kv-rF-cutF (F in [0, 1]; a cut takes -cover or -nocover; "
+                             "any of them, kv or text, -guard or -noguard last)")
 
 
 def answer(mem, cm, u, q, msgs, c, args):

@@ -25,8 +25,8 @@ Variants of a kv condition are named by suffixes: -system (the turns deposited a
 "system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
 turns were computed behind, a system note and a user message's opening, grafted before them and the
 message closed after them), -end (closed with <|im_end|>), -rF (F of the grafted tokens recomputed,
-CacheBlend; default ChatMemory's), -guard (the reply kept from opening as a remembered turn reads,
-kvmemory/chat_memory/guard.py; text conditions take it too), -inline (grafted inside the window's
+CacheBlend; default ChatMemory's), -guard / -noguard (the reply kept from opening as a remembered turn reads,
+kvmemory/chat_memory/guard.py, or not; without either ChatMemory's default; text conditions take it too), -inline (grafted inside the window's
 system message, where quoting puts the turns: ChatMemory.place = "system"), -nl (text: the last
 quoted turn keeps its newline, as the turns a system-placed graft holds do), -kN (N turns recalled;
 default 3), -cutF (a turn recalled after the most relevant one needs F x its BM25 score:
@@ -198,16 +198,16 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
-                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard][-inline][-nl][-kN]"
+                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
-            "guard": bool(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9)),
+            "guard": {"-guard": True, "-noguard": False}.get(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9)),
             "k": int(m.group(10)) if m.group(10) else None, "cut": float(m.group(11)) if m.group(11) else None,
             "cover": {"-cover": True, "-nocover": False}.get(m.group(12))}
 
@@ -272,7 +272,8 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         cm.foot_text = "<|im_end|>\n"
     if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
         cm.graft_head = True
-    cm.guard = cond["guard"]
+    if cond["guard"] is not None:
+        cm.guard = cond["guard"]
     if cond["cut"] is not None:
         cm.min_relevance = cond["cut"]
     if cond["cover"] is not None:

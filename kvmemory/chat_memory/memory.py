@@ -112,11 +112,13 @@ LAYOUT = "turns"
 # words alone answered 72/200 against 42/200 with the reply kept, and answers continuing remembered prose
 # fell from 65.5% to 9.5% (a small model's reply is often no content, and it continues a remembered one)
 KEEP = "user"
-# keep a reply from opening as a remembered turn reads (kvmemory/chat_memory/guard.py; Python replies,
-# ChatMemory.guard). Off: on the same 200 probes (bench_chat_recall.py, 2026-12-05, histories seed
-# 448474438) recalled as KV it took answers continuing remembered prose from 13.0% to 5.0% but right
-# answers from 86 to 79 (quoted as text, 80 -> 89 with the wider list of openings)
-GUARD = False
+# keep a reply from opening as a remembered turn reads (kvmemory/chat_memory/guard.py; ChatMemory.guard,
+# in Python replies and the server's). On since 2026-12-06: under today's recall (cut, cover, user's words)
+# on two fresh draws of bench_chat_recall.py, recalled as KV, it took answers opening as a remembered
+# turn from 4.5% to 0% with the same 93/200 right (histories seed 712938882), and at ~100K tokens a user
+# from 5.0% to 0% at 31/60 against 32 (seed 1858085271). (Before the cut, 2026-12-05, seed 448474438, it
+# cost 86 -> 79 right: off then.)
+GUARD = True
 PLACE = "after"
 # a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best turns,
 # however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance, the same
@@ -229,7 +231,7 @@ class ChatMemory:
         # where recalled turns are grafted (PLACE): "after" the conversation, or "system": inside its
         # system message where quoting puts them (a session's first message; later ones: after)
         self.place = PLACE
-        # keep a Python reply from opening as a remembered turn reads (GUARD; kvmemory/chat_memory/guard.py)
+        # keep a reply (Python's and the server's) from opening as a remembered turn reads (GUARD; guard.py)
         self.guard = GUARD
         # a turn recalled after the most relevant one needs min_relevance x its BM25 score (MIN_RELEVANCE)
         self.min_relevance = MIN_RELEVANCE

@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from kvmemory import kv as kvops, prompts
+from kvmemory.chat_memory.guard import Guard
 from kvmemory.chat_memory.window import RECALL_TURNS
 from kvmemory.decode import Logprobs, TextStream, greedy, sampler
 from kvmemory.errors import InputError
@@ -207,11 +208,14 @@ class ChatService:
                 "kvmemory": w.memory, "ttft_s": first[0] if first else None, "logprobs": lp, "choices": choices}
 
     def _pick(self, p: ChatParams, w: Prepared, i: int):
-        """Choice i's pick: its sampler (seed + i), constrained to the schema, recording logprobs, as asked."""
+        """Choice i's pick: its sampler (seed + i), constrained to the schema, guarded where remembered turns
+        were recalled (ChatMemory.guard), recording logprobs, as asked."""
         pick = sampler(p.temperature, p.top_p, None if p.seed is None else p.seed + i, **p.sampling,
                        **({"prompt": w.ids} if "repetition_penalty" in p.sampling else {}))
         if p.schema is not None:
             pick = self.grammars().constrain(pick, p.schema)
+        if w.guard:                    # turns were recalled: the reply does not open as one reads (guard.py)
+            pick = Guard(self.mem.tokenizer, pick)
         if p.logprobs is not None:
             pick = Logprobs(pick, p.logprobs)
         return pick

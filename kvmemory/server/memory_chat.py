@@ -42,6 +42,7 @@ class Prepared:
     window: int | None = None      # tokens the reply attends to before it (prompt + grafted), if not len(ids)
     owner: str | None = None       # salts the chains and keys the ids of the states saved (a user's own)
     feed: int | list[int] | None = None   # with logits None: the prompt's last token(s), not in the cache yet (decoded first)
+    guard: bool = False            # keep the reply from opening as a recalled turn reads (ChatMemory.guard)
 
 
 def session_memory(mem, session: str) -> ChatMemory:
@@ -73,7 +74,7 @@ def memory_window(mem, p, cm: ChatMemory, kept: list[dict], dropped: list[dict])
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
                  "end_token": r["tokens"]} for r in w.stats["recalled"]]
     return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, label,
-                    w.stats["window_tokens"], cm.key)
+                    w.stats["window_tokens"], cm.key, guard=bool(cm.guard and w.hits))
 
 
 def remember(mem, p, reply: str) -> None:

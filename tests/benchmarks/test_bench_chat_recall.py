@@ -60,7 +60,7 @@ def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
 
 def test_condition_names():
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
-                                                   "end": False, "recompute": 0.6, "guard": False, "inline": False,
+                                                   "end": False, "recompute": 0.6, "guard": None, "inline": False,
                                                    "nl": False, "k": None, "cut": None, "cover": None}
     assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
                                                  "recompute": None, "guard": True, "inline": False, "nl": False,
@@ -69,6 +69,7 @@ def test_condition_names():
     assert b.condition("text-user-k1")["k"] == 1 and b.condition("kv-user-cut0")["cut"] == 0.0
     assert b.condition("kv-user-cut0.75-cover")["cover"] is True and b.condition("kv-user-cut0.75-nocover")["cover"] is False
     assert b.condition("kv-user-cut0.75")["cover"] is None          # the default's
+    assert b.condition("kv-user-noguard")["guard"] is False and b.condition("kv-user-r0-guard")["guard"] is True
     assert b.condition("kv-user-system-r1.0-inline")["inline"] and b.condition("text-user-nl")["nl"]
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
     assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"

@@ -44,3 +44,31 @@ def test_it_wraps_another_pick_and_leaves_other_replies_alone(tokenizer):
     reply = tokenizer("Your locker combination is 52917.", add_special_tokens=False)["input_ids"]
     assert [g(_favour(V, t)) for t in reply] == reply and g.banned == 0
     assert len(seen) == len(reply)
+
+
+class _Spy(Guard):
+    """A Guard that records itself (made: every one built)."""
+    made: list = []
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        _Spy.made.append(self)
+
+
+def test_a_reply_that_recalled_turns_is_guarded_by_default(make_memory, monkeypatch):
+    """ChatMemory.guard is on (GUARD): a Python reply with recalled turns picks through a Guard; one
+    that recalled nothing, or with guard off, does not."""
+    from kvmemory.chat_memory import window
+    monkeypatch.setattr(_Spy, "made", [])
+    monkeypatch.setattr(window, "Guard", _Spy)
+    alice = make_memory().chat_memory("alice")
+    assert alice.guard is True
+    _, st = alice.reply([{"role": "user", "content": "Remember: my locker code is 4417."}], session="s1",
+                        max_new_tokens=3)
+    assert st["recalled"] == [] and _Spy.made == []                 # nothing recalled: nothing to guard
+    _, st = alice.reply([{"role": "user", "content": "What is my locker code?"}], session="s2", max_new_tokens=3)
+    assert st["recalled"] and len(_Spy.made) == 1 and len(_Spy.made[0].out) >= st["tokens_decoded"] > 0
+    alice.guard = False
+    _, st = alice.reply([{"role": "user", "content": "Which locker code did I tell you?"}], session="s3",
+                        max_new_tokens=3)
+    assert st["recalled"] and len(_Spy.made) == 1

@@ -66,13 +66,22 @@ def test_bench_chat_memory_runs(tmp_path):
     assert next(tmp_path.glob("chat-memory-*.png")).stat().st_size > 0
 
 
+def test_bench_chat_memory_condition_names():
+    """A tuned condition names the ChatMemory settings it changes for one reply; -guard / -noguard last."""
+    from benchmarks import bench_chat_memory as bcm
+    assert bcm.tuned("kv-noguard") == ("kv", {"guard": False}) and bcm.tuned("text-guard") == ("text", {"guard": True})
+    assert bcm.tuned("kv-r0-cut0.75-nocover-guard") == ("kv", {"recompute": 0.0, "min_relevance": 0.75,
+                                                              "cover": False, "guard": True})
+    assert bcm.tuned("kv") is None and bcm.tuned("kv-guard-r0") is None and bcm.tuned("text-r0-guard") is None
+
+
 def test_bench_chat_memory_refuses_an_unknown_condition(tmp_path):
     """A misspelt condition is refused before anything is built (it once ran as the oracle)."""
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    for bad in ("kv-cut1.5", "kv-cutx", "orcale", "text-r0.3", "kv-r0.3-cut2", "kv-cover"):
+    for bad in ("kv-cut1.5", "kv-cutx", "orcale", "text-r0.3", "kv-r0.3-cut2", "kv-cover", "kv-guard-r0"):
         p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
                             "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "--conditions" in p.stderr and bad in p.stderr

@@ -84,6 +84,23 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     assert found == (set() if sealer is not None else {"word"})
 
 
+def test_the_server_guards_a_reply_that_recalled_turns(served, monkeypatch):
+    """A chat request whose window recalled the user's turns picks through a Guard (ChatMemory.guard, on
+    by default: the reply does not open as a remembered turn reads), inside the logprobs it reports;
+    one that recalled nothing does not."""
+    from kvmemory.server import chat
+    from tests.chat_memory.test_guard import _Spy
+    monkeypatch.setattr(_Spy, "made", [])
+    monkeypatch.setattr(chat, "Guard", _Spy)
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    first = ask(client, "carol", "c1", "Remember this: my bike is called Comet.")
+    assert first.model_extra["kvmemory"]["recalled"] == [] and _Spy.made == []
+    r = ask(client, "carol", "c2", "What is my bike called?", logprobs=True, top_logprobs=2)
+    assert r.model_extra["kvmemory"]["recalled"] and len(_Spy.made) == 1
+    assert len(_Spy.made[0].out) >= r.usage.completion_tokens == len(r.choices[0].logprobs.content) > 0
+
+
 def test_a_users_memory_survives_a_sigkill(tmp_path, tiny_dir):
     """A real `kvmemory serve` process: alice's first session, SIGKILL, a fresh process on the same
     store, and a new session of alice's recalls the first one."""
@@ -133,6 +150,8 @@ def test_a_fact_told_is_answered_in_a_new_session_after_a_restart(tmp_path):
                                                  "with the number."}])
         assert any("52917" in x["text"] for x in r.model_extra["kvmemory"]["recalled"])
         assert "52917" in r.choices[0].message.content
+        from kvmemory.chat_memory.guard import OPENINGS
+        assert not r.choices[0].message.content.startswith(OPENINGS)    # an answer, not a remembered turn's frame
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait()
