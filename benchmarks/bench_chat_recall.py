@@ -25,9 +25,10 @@ Variants of a kv condition are named by suffixes: -system (the turns deposited a
 "system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
 turns were computed behind, a system note and a user message's opening, grafted before them and the
 message closed after them), -end (closed with <|im_end|>), -rF (F of the grafted tokens recomputed,
-CacheBlend; default ChatMemory's), -guard / -noguard (the reply kept from opening as a remembered turn reads,
-kvmemory/chat_memory/guard.py, or not; without either ChatMemory's default; text conditions take it too), -inline (grafted inside the window's
-system message, where quoting puts the turns: ChatMemory.place = "system"), -nl (text: the last
+CacheBlend; default ChatMemory's), -guard / -noguard (the reply kept from opening as a remembered turn
+reads, kvmemory/chat_memory/guard.py, or not; without either ChatMemory's default; text conditions take
+it too), -inline (grafted inside the window's system message, where quoting puts the turns:
+ChatMemory.place = "system"), -nl (text: the last
 quoted turn keeps its newline, as the turns a system-placed graft holds do), -kN (N turns recalled;
 default 3), -cutF (a turn recalled after the most relevant one needs F x its BM25 score:
 ChatMemory.min_relevance; without it the default's, 0.75; -cut0: the k best turns), -cover / -nocover (under

@@ -180,6 +180,12 @@ def _stats(hits, cached, grafted, rerotated, prefilled, window, recall_s, recomp
             "recall_s": recall_s}
 
 
+def guarded(cm, w: Window) -> bool:
+    """Whether a reply from window w picks through a Guard: turns were recalled and cm.guard is on (the
+    Python reply's rule and the server's, ChatService._pick)."""
+    return bool(cm.guard and w.hits)
+
+
 @torch.inference_mode()
 def reply(rt: Runtime, cm, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
           k: int = RECALL_TURNS, remember: bool = True):
@@ -190,7 +196,7 @@ def reply(rt: Runtime, cm, messages: list[dict], session: str | None = None, max
         w = build(rt, cm, messages, session, max_new_tokens, as_, k, label=cm.state_label(session), owner=cm.key)
         ttft = time.perf_counter() - t0
         stream = TextStream(rt.tokenizer, strip=True)
-        pick = Guard(rt.tokenizer) if cm.guard and w.hits else None
+        pick = Guard(rt.tokenizer) if guarded(cm, w) else None
         new = greedy(rt.model, w.cache, w.logits, max_new_tokens, rt.eos_ids, on_token=stream, pick=pick)
         text = stream.finish(new)
         rt.save(w.ids + new, label=cm.state_label(session), owner=cm.key)   # next turn

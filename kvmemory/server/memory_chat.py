@@ -74,7 +74,7 @@ def memory_window(mem, p, cm: ChatMemory, kept: list[dict], dropped: list[dict])
     recalled = [{"doc_id": r["doc_id"], "score": r["score"], "text": r["text"], "start_token": 0,
                  "end_token": r["tokens"]} for r in w.stats["recalled"]]
     return Prepared(w.ids, w.cache, w.logits, w.cached, w.states, recalled, memory, label,
-                    w.stats["window_tokens"], cm.key, guard=bool(cm.guard and w.hits))
+                    w.stats["window_tokens"], cm.key, guard=window.guarded(cm, w))
 
 
 def remember(mem, p, reply: str) -> None:
