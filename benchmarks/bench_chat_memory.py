@@ -30,6 +30,10 @@ Side by side on the same questions (one run, one machine):
     -guard     last on a kv or text condition: the reply kept from opening as a remembered turn reads
     -noguard   ("The user said: ..."; kvmemory/chat_memory/guard.py), or not (ChatMemory.guard), e.g.
                kv-noguard, kv-r0-guard, text-cut0-guard
+    -rel       before -guard / -noguard: the recalled turns in the window the most relevant last, nearest
+    -time      the question, or oldest first (ChatMemory.order), e.g. kv-rel, text-time, kv-cut0-rel-guard
+    -topic     after -rel / -time: after the most relevant turn only turns holding a content word of the
+    -notopic   question, or not (ChatMemory.on_topic), e.g. kv-topic, kv-rel-notopic-guard
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -262,8 +266,10 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 
 
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
-# then -cover / -nocover), and both: kv-rF-cutF; -guard / -noguard last (ChatMemory.guard)
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-guard|-noguard)?")
+# then -cover / -nocover), and both: kv-rF-cutF; then -rel / -time (ChatMemory.order), -topic / -notopic
+# (ChatMemory.on_topic); -guard / -noguard last
+# (ChatMemory.guard)
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 
 
@@ -273,7 +279,7 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if m is None or not (m.group(2) or m.group(3) or m.group(5)) or (m.group(2) and m.group(1) != "kv"):
+    if m is None or not (m.group(2) or m.group(3) or m.group(5) or m.group(6) or m.group(7)) or (m.group(2) and m.group(1) != "kv"):
         return None
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}
     if m.group(3):
@@ -281,7 +287,11 @@ def tuned(c: str) -> tuple[str, dict] | None:
     if m.group(4):
         settings["cover"] = m.group(4) == "-cover"
     if m.group(5):
-        settings["guard"] = m.group(5) == "-guard"
+        settings["order"] = "relevance" if m.group(5) == "-rel" else "time"
+    if m.group(6):
+        settings["on_topic"] = m.group(6) == "-topic"
+    if m.group(7):
+        settings["guard"] = m.group(7) == "-guard"
     return m.group(1), settings
 
 
@@ -294,7 +304,7 @@ def check_conditions(conds: list[str]) -> None:
         if not ok:
             raise SystemExit(f"--conditions: {c!r} is not none, text, kv, full, oracle, {', '.join(KV_VARIANTS)}, "
                              "kv-rF, kv-cutF, text-cutF or kv-rF-cutF (F in [0, 1]; a cut takes -cover or -nocover; "
-                             "any of them, kv or text, -guard or -noguard last)")
+                             "any of them, kv or text, then -rel or -time, -topic or -notopic, -guard or -noguard last)")
 
 
 def answer(mem, cm, u, q, msgs, c, args):

@@ -33,7 +33,10 @@ quoted turn keeps its newline, as the turns a system-placed graft holds do), -kN
 default 3), -cutF (a turn recalled after the most relevant one needs F x its BM25 score:
 ChatMemory.min_relevance; without it the default's, 0.75; -cut0: the k best turns), -cover / -nocover (under
 the cut, a turn holding a word of the question no kept turn holds is kept at half the best's score, or
-not: ChatMemory.cover; without either the default's), e.g. kv-user-system-r0.6, kv-user-cut0.75-nocover. --store DIR keeps the histories (the store and the probes) and reuses them: the
+not: ChatMemory.cover; without either the default's), -rel / -time (the recalled turns in the window
+the most relevant last, nearest the question, or oldest first: ChatMemory.order; without either the
+default's), -topic / -notopic (after the most relevant turn, only turns holding a content word of the
+question, or not: ChatMemory.on_topic; without either the default's), e.g. kv-user-system-r0.6, kv-user-cut0.75-nocover. --store DIR keeps the histories (the store and the probes) and reuses them: the
 conditions of several runs are then paired on the same conversations.
 
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
@@ -199,18 +202,20 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
                          "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
-                         f"[-cutF][-cover|-nocover] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+                         f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
             "guard": {"-guard": True, "-noguard": False}.get(m.group(7)), "inline": bool(m.group(8)), "nl": bool(m.group(9)),
             "k": int(m.group(10)) if m.group(10) else None, "cut": float(m.group(11)) if m.group(11) else None,
-            "cover": {"-cover": True, "-nocover": False}.get(m.group(12))}
+            "cover": {"-cover": True, "-nocover": False}.get(m.group(12)),
+            "order": {"-rel": "relevance", "-time": "time"}.get(m.group(13)),
+            "topic": {"-topic": True, "-notopic": False}.get(m.group(14))}
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
@@ -279,6 +284,10 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         cm.min_relevance = cond["cut"]
     if cond["cover"] is not None:
         cm.cover = cond["cover"]
+    if cond["order"] is not None:
+        cm.order = cond["order"]
+    if cond["topic"] is not None:
+        cm.on_topic = cond["topic"]
     if cond["inline"]:        # grafted inside the window's system message, where quoting puts the turns
         cm.place = "system"
     from kvmemory.chat_memory import window
@@ -296,7 +305,7 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok, stale), "stale": stale,
             "continues_v2": continues_prose(text, shown, ok), "opens_as_memory": opens_as_memory(text),
             "continues_v1": continues_v1(text, replies),
-            "ttft_s": st["ttft_s"], "recalled": len(st.get("recalled", [])),
+            "ttft_s": st["ttft_s"], "restored": st.get("tokens_restored", 0), "recalled": len(st.get("recalled", [])),
             "recalled_tokens": sum(r["tokens"] for r in st.get("recalled", [])),
             "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
 
@@ -363,7 +372,7 @@ def run(args, seed: int) -> dict:
         for name, probes in users.items():
             for p in probes:
                 row = {"user": name, **p}
-                for c in conds:
+                for c in conds:      # (a later text condition may restore the window an earlier one quoted: "restored")
                     row[c] = ask(mem, name, p, c, args, replies[name])
                     if bar is not None:
                         bar.update(1)
@@ -378,14 +387,17 @@ def run(args, seed: int) -> dict:
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
 
 
+def forget_questions(mem, name: str, kept=tuple(MEMORIES)) -> int:
+    """Forget the states user `name`'s questions saved (session "ask"), the bytes left to gc. Returns the states."""
+    return sum(mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
+               for sfx, keep, layout in (MEMORIES[k] for k in kept))
+
+
 def undo_questions(mem, users, kept=tuple(MEMORIES)) -> int:
     """Forget the states the questions saved (each reply saves its conversation, session "ask") and gc
     their bytes: a later run on the same --store starts from the histories alone (quoting's prefixes
     are not restored from an earlier run, and ~12 MB a reply does not pile up). Returns the states."""
-    n = 0
-    for name in users:
-        for sfx, keep, layout in (MEMORIES[k] for k in kept):
-            n += mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
+    n = sum(forget_questions(mem, name, kept) for name in users)
     mem.gc(grace_s=0)
     return n
 

@@ -120,6 +120,9 @@ KEEP = "user"
 # cost 86 -> 79 right: off then.)
 GUARD = True
 PLACE = "after"
+# the order recalled turns take in the window: "time" (oldest first, as they were said) or "relevance" (the
+# most relevant last, nearest the new message)
+ORDER = "time"
 # a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best turns,
 # however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance, the same
 # 0.75); with COVER, one below it holding a content word of the question no kept turn holds comes still at
@@ -130,6 +133,13 @@ PLACE = "after"
 # scripted benchmark (bench_chat_memory.py, seed 1865097120) 31 -> 32 (10 / 9; without COVER 30)
 MIN_RELEVANCE = 0.75
 COVER = True
+# a turn recalled after the most relevant one must hold a content word of the question (not a stopword of
+# bm25s' longer list): BM25 keeps "what", "my", "do", rare in a user's statements, so "What is a haiku?"
+# passes the cut for "What is my flat number?", and grafted, the model answers the recalled question ("A
+# haiku is..."). Measured as KV on two fresh draws of 200 probes of the model's own conversations
+# (bench_chat_recall.py, 2026-12-06; docs/guides/chat-memory.md): 89 -> 97 right (histories seed 488028631)
+# and 83 -> 89 (seed 370187567, drawn after the choice); quoted as text 97 -> 94 and 99 -> 100
+ON_TOPIC = True
 MAX_USER = 200
 
 
@@ -233,11 +243,15 @@ class ChatMemory:
         self.place = PLACE
         # keep a reply (Python's and the server's) from opening as a remembered turn reads (GUARD; guard.py)
         self.guard = GUARD
+        # the order of the recalled turns in the window (ORDER: "time" or "relevance", the best last)
+        self.order = ORDER
         # a turn recalled after the most relevant one needs min_relevance x its BM25 score (MIN_RELEVANCE)
         self.min_relevance = MIN_RELEVANCE
         # with the cut, a turn below it that holds a word of the question no kept turn holds comes still
         # (COVER; kvmemory.retrieve.relevant's held)
         self.cover = COVER
+        # after the most relevant turn, only turns holding a content word of the question (ON_TOPIC)
+        self.on_topic = ON_TOPIC
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -333,7 +347,10 @@ class ChatMemory:
 
         def held(h):                      # the question's content terms in the turn's best block (COVER)
             return asked & content_terms(self.rt.tokenizer.decode(store.token_ids([h.row]), skip_special_tokens=True))
-        for h in relevant(list(firsts.values()), k, self.min_relevance, held if self.cover else None):
+        kept = relevant(list(firsts.values()), k, self.min_relevance, held if self.cover else None)
+        if self.on_topic and asked:       # after the best, only a turn holding a content word of the question
+            kept = kept[:1] + [h for h in kept[1:] if held(h)]
+        for h in kept:
             doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]
             meta = json.loads(entry.source)

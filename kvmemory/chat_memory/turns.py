@@ -8,6 +8,8 @@ continues instead of answering: benchmarks/bench_chat_recall.py)."""
 TURN = "On {day}, the user said: {user}\nYou replied: {reply}\n"
 TURN_USER = "On {day}, the user said: {user}\n"
 KEEPS = ("exchange", "user")
+# the order recalled turns take in a window (ChatMemory.order): oldest first, or the most relevant last
+ORDERS = ("time", "relevance")
 REPLIED = "\nYou replied: "
 
 

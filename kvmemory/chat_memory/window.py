@@ -19,7 +19,7 @@ import torch
 
 from kvmemory import graft, kv as kvops, prompts
 from kvmemory.chat_memory.guard import Guard
-from kvmemory.chat_memory.turns import said
+from kvmemory.chat_memory.turns import ORDERS, said
 from kvmemory.decode import TextStream, greedy
 from kvmemory.device import ids_tensor
 from kvmemory.errors import InputError, WindowExceededError
@@ -93,6 +93,8 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
         raise InputError(f"recall as 'kv', 'text' or 'none', got {as_!r}")
     if cm.place not in PLACES:
         raise InputError(f"place is one of {PLACES}, got {cm.place!r}")
+    if cm.order not in ORDERS:
+        raise InputError(f"order is one of {ORDERS}, got {cm.order!r}")
     t0 = time.perf_counter()
     hits = []
     if as_ != "none" and messages and messages[-1]["role"] == "user":
@@ -101,6 +103,8 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
                 if said(h.text) not in kept]
         seen = {h.doc_id for h in hits}
         hits = sorted(hits + [h for h in extra if h.doc_id not in seen], key=lambda h: (h.time, h.turn))[-k:]
+        if cm.order == "relevance":                      # the most relevant nearest the new message
+            hits = sorted(hits, key=lambda h: h.score)
     recall_s = time.perf_counter() - t0
     limit = rt.geometry.max_positions
     label = label or "kvmemory:chat"
@@ -160,7 +164,7 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
 
 
 def _drop_least(hits: list) -> list:
-    """hits (in time order) without the least relevant one: what goes first when they do not all fit
+    """hits (in window order) without the least relevant one: what goes first when they do not all fit
     (the oldest may be the one asked about)."""
     worst = min(range(len(hits)), key=lambda i: (hits[i].score, -i))
     return hits[:worst] + hits[worst + 1:]

@@ -61,20 +61,24 @@ def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
 def test_condition_names():
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
                                                    "end": False, "recompute": 0.6, "guard": None, "inline": False,
-                                                   "nl": False, "k": None, "cut": None, "cover": None}
+                                                   "nl": False, "k": None, "cut": None, "cover": None,
+                                                   "order": None, "topic": None}
     assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
                                                  "recompute": None, "guard": True, "inline": False, "nl": False,
-                                                 "k": None, "cut": None, "cover": None}
+                                                 "k": None, "cut": None, "cover": None, "order": None,
+                                                 "topic": None}
     assert b.condition("kv-user-r0.0-cut0.75") == {**b.condition("kv-user-r0.0"), "cut": 0.75}
     assert b.condition("text-user-k1")["k"] == 1 and b.condition("kv-user-cut0")["cut"] == 0.0
     assert b.condition("kv-user-cut0.75-cover")["cover"] is True and b.condition("kv-user-cut0.75-nocover")["cover"] is False
     assert b.condition("kv-user-cut0.75")["cover"] is None          # the default's
+    assert b.condition("kv-user-topic")["topic"] is True and b.condition("text-user-rel-notopic")["topic"] is False
+    assert b.condition("kv-user-rel")["order"] == "relevance" and b.condition("text-user-cover-time")["order"] == "time"
     assert b.condition("kv-user-noguard")["guard"] is False and b.condition("kv-user-r0-guard")["guard"] is True
     assert b.condition("kv-user-system-r1.0-inline")["inline"] and b.condition("text-user-nl")["nl"]
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
     assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"
     assert b.condition("kv-user-messages-r0.3")["memory"] == "user-messages"
-    for bad in ("kv-user-sideways", "kv-exchange-messages", "kv-user-cut1.5", "kv-user-k0", "kv-user-cover-cut0.5"):
+    for bad in ("kv-user-sideways", "kv-exchange-messages", "kv-user-cut1.5", "kv-user-k0", "kv-user-cover-cut0.5", "kv-user-rel-cover", "kv-user-topic-rel"):
         with pytest.raises(SystemExit):
             b.condition(bad)
 
@@ -94,7 +98,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert res["question_states_removed"] >= res["probes"] * len(b.CONDITIONS)
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
-    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,kv-user-system-r1.0,kv-user-guard,"
+    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,text-user-guard,kv-user-system-r1.0,kv-user-guard,"
                               "kv-user-messages,text-user-messages,kv-user-inline", "--out",
                               str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -106,6 +110,8 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert again["summary"]["kv-user-messages"]["evidence_recalled"] > 0
     assert again["summary"]["paired_kv-user-messages/same-form"]["against"] == "text-user-messages"
     assert again["summary"]["kv-user-inline"]["evidence_recalled"] > 0
+    # text-user-guard quotes text-user's very window, and finds it saved: "restored" says so (its TTFT is a hit)
+    assert all(x["text-user-guard"]["restored"] > x["text-user"]["restored"] for x in again["rows"])
 
 
 @pytest.mark.real_model

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvmemory
-from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE
+from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE, ON_TOPIC
 from kvmemory.store import BlockStore
 
 
@@ -50,6 +50,7 @@ def test_min_relevance_cuts_the_turns_far_less_relevant_than_the_best(mem):
         alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
     q = "What is the code of my bike lock?"
     assert alice.min_relevance == MIN_RELEVANCE == 0.75     # the default (ask's too)
+    alice.on_topic = False                        # the cut alone (on_topic: its own test)
     alice.min_relevance = 0.0                     # off: the k best, however weak
     every = alice.recall(q, k=3)
     assert len(every) == 3 and any("6090" in h.text for h in every)
@@ -87,6 +88,25 @@ def test_a_question_of_two_facts_keeps_both_turns_under_the_cut(mem):
     assert [h.session for h in alice.recall(q, k=3)] == ["s1"]     # the cut alone: the sister is under it
     alice.min_relevance = 0.0
     assert len(alice.recall(q, k=3)) == 3                   # no cut: the k best, cover or not
+
+
+def test_on_topic_keeps_after_the_best_only_turns_holding_a_word_of_the_question(mem):
+    """ChatMemory.on_topic: a turn recalled after the most relevant one must hold a content word of the
+    question; a question of the user's own ("What is a haiku?") shares only "what" with "What is my
+    locker code?" and goes; a turn naming the locker stays. A question with no content word is not cut."""
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    alice.remember(exchange("What is a haiku?", "A short poem."), "s2", when=200)
+    alice.remember(exchange("I lost the key of my gym locker.", "Oh no."), "s3", when=300)
+    alice.min_relevance = 0.0                      # no cut: the three best, whatever they hold
+    q = "What is my locker code?"
+    assert alice.on_topic is ON_TOPIC
+    alice.on_topic = False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s2", "s3"]
+    alice.on_topic = True
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s3"]
+    assert [h.session for h in alice.recall("What is a haiku?", k=1)] == ["s2"]    # the best always comes
+    assert len(alice.recall("What was it again?", k=3)) == 3          # no content word: nothing to hold
 
 
 def test_users_are_isolated_by_construction(mem):
@@ -338,7 +358,7 @@ def test_the_messages_layout_keeps_a_turn_as_its_chat_messages(mem):
     # (words without a control token's spelling: the text path renders its prompt through the template,
     # which would parse it)
     carol = mem.chat_memory("carol", layout="messages", recompute=0.0)
-    carol.min_relevance = 0.0                      # both turns recalled (the cut would keep the locker alone)
+    carol.min_relevance, carol.on_topic = 0.0, False     # both turns recalled (the cut would keep the locker alone)
     carol.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
     carol.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
     msgs = [{"role": "user", "content": "What is my locker code?"}]
@@ -390,7 +410,7 @@ def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, m
     from kvmemory.chat_memory.window import build, inline_parts, quoted, split
     tok = mem.tokenizer
     alice = mem.chat_memory("alice", recompute=0.0)
-    alice.min_relevance = 0.0                      # both turns recalled (the cut would keep the locker alone)
+    alice.min_relevance, alice.on_topic = 0.0, False     # both turns recalled (the cut would keep the locker alone)
     assert alice.place == "after"
     alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
     alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
@@ -425,3 +445,31 @@ def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, m
     for as_ in ("kv", "text"):
         with pytest.raises(kvmemory.InputError, match="place"):
             build(mem.rt, alice, msgs, "new", 8, as_, k=2)
+
+
+def test_the_order_of_recalled_turns_time_or_the_most_relevant_last(mem):
+    """order="time": the recalled turns sit oldest first; "relevance": the most relevant last,
+    nearest the new message, in the grafted window and the quoted text alike. Anything else is refused."""
+    from kvmemory.chat_memory.window import build, quoted
+    alice = mem.chat_memory("alice", recompute=0.0)
+    alice.min_relevance, alice.on_topic = 0.0, False        # both turns recalled
+    alice.remember(exchange("My locker code is 4417 and my locker is locker nine.", "Noted."), "s1", when=100)
+    alice.remember(exchange("I like sailing near my old school.", "Nice."), "s2", when=200)
+    msgs = [{"role": "user", "content": "What is my locker code for my locker?"}]
+    alice.order = "time"
+    by_time = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    assert [h.time for h in by_time.hits] == [100, 200]
+    assert by_time.hits[0].score > by_time.hits[1].score           # the locker is the best, and the oldest
+    alice.order = "relevance"
+    for as_ in ("kv", "text"):
+        w = build(mem.rt, alice, msgs, "new", 8, as_, k=2)
+        assert [h.time for h in w.hits] == [200, 100]               # the locker last
+        assert [r["time"] for r in w.stats["recalled"]] == [200, 100]
+    shown = quoted(msgs, w.hits)[0]["content"]
+    assert shown.index("sailing") < shown.index("4417")
+    kv = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    grafted = mem.tokenizer.decode(mem.require_store().token_ids([r for h in kv.hits for r in h.rows]))
+    assert grafted.index("sailing") < grafted.index("4417")
+    alice.order = "newest"
+    with pytest.raises(kvmemory.InputError, match="order"):
+        build(mem.rt, alice, msgs, "new", 8, "kv", k=2)

@@ -16,11 +16,11 @@ def exchange(u, a):
 def test_a_fact_from_an_earlier_session_is_answered_from_kv(tmp_path, real_model):
     mem = kvmemory.Memory(tmp_path / "r.kvm", model=real_model)
     alice = mem.chat_memory("alice")
-    # the three best turns (the setting this test was written for): under the default cut (MIN_RELEVANCE) the
+    # the three best turns (the setting this test was written for): under the default cut (MIN_RELEVANCE, ON_TOPIC) the
     # locker turn comes alone and to this very question the model answers "I'm sorry for any confusion, but as
     # a chatbot ..." (one of its misses; on 99 one-turn probes of bench_chat_recall the cut answered 54, the
     # oracle 51: docs/guides/chat-memory.md). tests/chat_memory/test_server_memory.py asks under the default
-    alice.min_relevance = 0.0
+    alice.min_relevance, alice.on_topic = 0.0, False
     alice.remember(exchange("Please remember that my locker code is 4417.", "Got it, your locker code is 4417."),
                    "s1", when=1.7e9)
     alice.remember(exchange("I had pasta with mushrooms for dinner.", "Sounds tasty!"), "s2", when=1.7e9 + 86400)
@@ -72,6 +72,11 @@ def test_bench_chat_memory_condition_names():
     assert bcm.tuned("kv-noguard") == ("kv", {"guard": False}) and bcm.tuned("text-guard") == ("text", {"guard": True})
     assert bcm.tuned("kv-r0-cut0.75-nocover-guard") == ("kv", {"recompute": 0.0, "min_relevance": 0.75,
                                                               "cover": False, "guard": True})
+    assert bcm.tuned("kv-rel") == ("kv", {"order": "relevance"})
+    assert bcm.tuned("text-cut0-time-noguard") == ("text", {"min_relevance": 0.0, "order": "time", "guard": False})
+    assert bcm.tuned("kv-rel-notopic-guard") == ("kv", {"order": "relevance", "on_topic": False, "guard": True})
+    assert bcm.tuned("kv-topic") == ("kv", {"on_topic": True}) and bcm.tuned("kv-topic-rel") is None
+    assert bcm.tuned("kv-guard-rel") is None
     assert bcm.tuned("kv") is None and bcm.tuned("kv-guard-r0") is None and bcm.tuned("text-r0-guard") is None
 
 
