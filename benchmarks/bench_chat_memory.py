@@ -267,8 +267,7 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
 # then -cover / -nocover), and both: kv-rF-cutF; then -rel / -time (ChatMemory.order), -topic / -notopic
-# (ChatMemory.on_topic); -guard / -noguard last
-# (ChatMemory.guard)
+# (ChatMemory.on_topic); -guard / -noguard last (ChatMemory.guard)
 TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 

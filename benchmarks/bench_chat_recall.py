@@ -387,17 +387,14 @@ def run(args, seed: int) -> dict:
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
 
 
-def forget_questions(mem, name: str, kept=tuple(MEMORIES)) -> int:
-    """Forget the states user `name`'s questions saved (session "ask"), the bytes left to gc. Returns the states."""
-    return sum(mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
-               for sfx, keep, layout in (MEMORIES[k] for k in kept))
-
-
 def undo_questions(mem, users, kept=tuple(MEMORIES)) -> int:
     """Forget the states the questions saved (each reply saves its conversation, session "ask") and gc
     their bytes: a later run on the same --store starts from the histories alone (quoting's prefixes
     are not restored from an earlier run, and ~12 MB a reply does not pile up). Returns the states."""
-    n = sum(forget_questions(mem, name, kept) for name in users)
+    n = 0
+    for name in users:
+        for sfx, keep, layout in (MEMORIES[k] for k in kept):
+            n += mem.chat_memory(name + sfx, keep=keep, layout=layout).forget(session="ask").states
     mem.gc(grace_s=0)
     return n
 
