@@ -34,6 +34,11 @@ Side by side on the same questions (one run, one machine):
     -time      the question, or oldest first (ChatMemory.order), e.g. kv-rel, text-time, kv-cut0-rel-guard
     -topic     after -rel / -time: after the most relevant turn only turns holding a content word of the
     -notopic   question, or not (ChatMemory.on_topic), e.g. kv-topic, kv-rel-notopic-guard
+    -first     after -topic / -notopic: a most relevant turn holding no content word of the question
+    -nofirst   gives way to the best that does, or not (ChatMemory.topic_first), e.g. kv-nofirst
+    -open      after -first / -nofirst: the turns opening the new user message, where the turns layout
+    -after     computed them (ChatMemory.place = "message"), or grafted after the conversation and quoted
+               in the system message ("after"), e.g. kv-open, text-after, kv-nofirst-open-guard
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -267,8 +272,9 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
 # then -cover / -nocover), and both: kv-rF-cutF; then -rel / -time (ChatMemory.order), -topic / -notopic
-# (ChatMemory.on_topic); -guard / -noguard last (ChatMemory.guard)
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-guard|-noguard)?")
+# (ChatMemory.on_topic), -first / -nofirst (ChatMemory.topic_first), -open (ChatMemory.place "message" or "after"); -guard /
+# -noguard last (ChatMemory.guard)
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 
 
@@ -278,7 +284,8 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if m is None or not (m.group(2) or m.group(3) or m.group(5) or m.group(6) or m.group(7)) or (m.group(2) and m.group(1) != "kv"):
+    if (m is None or not any(m.group(i) for i in (2, 3, 5, 6, 7, 8, 9))
+            or (m.group(2) and m.group(1) != "kv")):     # -rF: KV's alone
         return None
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}
     if m.group(3):
@@ -290,7 +297,11 @@ def tuned(c: str) -> tuple[str, dict] | None:
     if m.group(6):
         settings["on_topic"] = m.group(6) == "-topic"
     if m.group(7):
-        settings["guard"] = m.group(7) == "-guard"
+        settings["topic_first"] = m.group(7) == "-first"
+    if m.group(8):
+        settings["place"] = "message" if m.group(8) == "-open" else "after"
+    if m.group(9):
+        settings["guard"] = m.group(9) == "-guard"
     return m.group(1), settings
 
 

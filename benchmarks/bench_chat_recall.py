@@ -19,7 +19,8 @@ Conditions, side by side on the same histories and questions:
     text-user       a remembered turn keeps the user's words alone (ChatMemory(keep="user")), quoted
     kv-user         ... grafted as KV
     kv-user-end     ... grafted as KV and closed with <|im_end|>
-    oracle          the fact as the user last told it, quoted as text (the model's ceiling)
+    oracle          the fact as the user last told it, quoted as text (the model's ceiling); oracle-open:
+                    as a recalled turn opening the new message reads (the day: the run's)
 
 Variants of a kv condition are named by suffixes: -system (the turns deposited and grafted in the
 "system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
@@ -36,7 +37,11 @@ the cut, a turn holding a word of the question no kept turn holds is kept at hal
 not: ChatMemory.cover; without either the default's), -rel / -time (the recalled turns in the window
 the most relevant last, nearest the question, or oldest first: ChatMemory.order; without either the
 default's), -topic / -notopic (after the most relevant turn, only turns holding a content word of the
-question, or not: ChatMemory.on_topic; without either the default's), e.g. kv-user-system-r0.6, kv-user-cut0.75-nocover. --store DIR keeps the histories (the store and the probes) and reuses them: the
+question, or not: ChatMemory.on_topic; without either the default's), -first / -nofirst (with on_topic, a
+most relevant turn holding no content word of the question gives way to the best that does, or not:
+ChatMemory.topic_first; without either the default's), -open / -after (the turns opening the new user message,
+where the turns layout computed them, the question's words after them: ChatMemory.place = "message"; or
+grafted after the conversation, quoted in the system message: "after"; without either the default's), e.g. kv-user-system-r0.6, kv-user-cut0.75-nocover. --store DIR keeps the histories (the store and the probes) and reuses them: the
 conditions of several runs are then paired on the same conversations.
 
 Reports accuracy with Wilson 95% intervals, paired counts of kv against text, the share of answers
@@ -202,12 +207,12 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
                          "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
-                         f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+                         f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
@@ -215,7 +220,8 @@ def condition(c: str) -> dict:
             "k": int(m.group(10)) if m.group(10) else None, "cut": float(m.group(11)) if m.group(11) else None,
             "cover": {"-cover": True, "-nocover": False}.get(m.group(12)),
             "order": {"-rel": "relevance", "-time": "time"}.get(m.group(13)),
-            "topic": {"-topic": True, "-notopic": False}.get(m.group(14))}
+            "topic": {"-topic": True, "-notopic": False}.get(m.group(14)),
+            "first": {"-first": True, "-nofirst": False}.get(m.group(15)), "place": {"-open": "message", "-after": "after"}.get(m.group(16))}
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
@@ -269,7 +275,12 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     cm = mem.chat_memory(name + sfx, keep=keep, layout=layout, recompute=cond["recompute"])
     base = cond["base"]
     msgs = [{"role": "user", "content": p["ask"]}]
-    if base == "oracle":
+    if base == "oracle" and cond["place"] == "message":      # as a recalled turn opening the message reads
+        from kvmemory.chat_memory.turns import turn_text
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        msgs = [{"role": "user", "content": turn_text("user", day, p.get("fix") or p["tell"], "") + p["ask"]}]
+        base = "none"
+    elif base == "oracle":
         msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
                  + (p.get("fix") or p["tell"])}] + msgs
         base = "none"
@@ -288,8 +299,12 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         cm.order = cond["order"]
     if cond["topic"] is not None:
         cm.on_topic = cond["topic"]
+    if cond["first"] is not None:
+        cm.topic_first = cond["first"]
     if cond["inline"]:        # grafted inside the window's system message, where quoting puts the turns
         cm.place = "system"
+    if cond["place"]:         # opening the new user message, its words after them; or after the conversation
+        cm.place = cond["place"]
     from kvmemory.chat_memory import window
     window.QUOTE_END = "\n" if cond["nl"] else ""
     try:

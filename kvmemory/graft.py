@@ -160,6 +160,17 @@ def prefill_tail(rt: Runtime, kv: torch.Tensor | None, tail: list[int], *, recom
     return Tail(cache, kvops.last_logits(model, ids_tensor(tail, model), cache))
 
 
+def prefill_rows(rt: Runtime, prefix_kv: torch.Tensor, rows: list[int], tail: list[int]) -> tuple[Tail, int]:
+    """prefix_kv [L, 2, H, P, D], then the tokens of the blocks `rows` and `tail`, prefilled: every one of
+    the blocks' tokens recomputed after the prefix (a blend's r = 1, computed the plain way), their stored
+    KV not read. Their tokens are read verified (their ids re-derive from them). -> (Tail, tokens of rows)."""
+    ids: list[int] = []
+    if rows:
+        meta = rt.store().verified_meta(rows)
+        ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    return prefill_tail(rt, prefix_kv if prefix_kv.shape[3] else None, ids + list(tail)), len(ids)
+
+
 def candidates(rt: Runtime, docs, chosen, expand: bool) -> tuple[list[Candidate], dict[int, list[Candidate]]]:
     """Window candidates of the chosen blocks (retrieve.Ranked), and (expand) each one's segment
     prefix: the blocks before it in its deposit segment, in document order."""

@@ -36,10 +36,14 @@ from kvmemory.prelude import USER_DOCS, PromptLayout, Scope
 from kvmemory.runtime import Runtime
 
 USERS_DIR = "users"
-# the fraction of a window's recalled-turn tokens recomputed (CacheBlend): measured on two fresh draws
-# of benchmarks/bench_chat_memory.py (200 questions): 0 -> 57/200 right, 0.15 -> 63, 0.3 -> 71, quoting
-# the same turns as text 57; at 0.3 a reply's first token costs ~0.07 s more (still half quoting's)
-RECOMPUTE = 0.3
+# the fraction of a window's recalled-turn tokens recomputed (CacheBlend). With the turns opening the new
+# message (PLACE "message"), on two draws of 200 probes of the model's own conversations (bench_chat_recall.py,
+# 2026-12-06, histories seeds 971571245 / 488028631): 0.3 -> 105 / 112 right, 0.6 -> 117 / 114, 1.0 -> 132 /
+# 125, as many as quoting the same turns there (132 / 125), the first token in 0.144 s / 0.147 s against
+# 0.111 s / 0.124 s at 0.3 (quoting: 0.286 s / 0.302 s). At 1.0 every recalled token is recomputed in the
+# window: the KV restored is the conversation's. (Grafted after the conversation, 2026-12-05: 0.3 best;
+# the scripted benchmark: 0 -> 57/200, 0.15 -> 63, 0.3 -> 71.)
+RECOMPUTE = 1.0
 
 
 def drop_forgotten_users(store, path) -> list[str]:
@@ -119,7 +123,12 @@ KEEP = "user"
 # from 5.0% to 0% at 31/60 against 32 (seed 1858085271). (Before the cut, 2026-12-05, seed 448474438, it
 # cost 86 -> 79 right: off then.)
 GUARD = True
-PLACE = "after"
+# where recalled turns sit in a window (window.PLACES). "message": opening the new user message, after the
+# opening the turns layout computed them behind, the question's words following; quoted as text there too.
+# Measured on two draws of 200 probes of the model's own conversations (bench_chat_recall.py, 2026-12-06,
+# histories seeds 971571245 / 488028631): as KV 84 / 99 right "after" the conversation -> 105 / 112; quoted
+# in the system message 90 / 96 -> opening the message 132 / 125 (docs/guides/chat-memory.md)
+PLACE = "message"
 # the order recalled turns take in the window: "time" (oldest first, as they were said) or "relevance" (the
 # most relevant last, nearest the new message)
 ORDER = "time"
@@ -140,6 +149,7 @@ COVER = True
 # (bench_chat_recall.py, 2026-12-06; docs/guides/chat-memory.md): 89 -> 97 right (histories seed 488028631)
 # and 83 -> 89 (seed 370187567, drawn after the choice); quoted as text 97 -> 94 and 99 -> 100
 ON_TOPIC = True
+TOPIC_FIRST = True
 MAX_USER = 200
 
 
@@ -238,8 +248,8 @@ class ChatMemory:
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
         self.graft_head = self.layout == "system"
-        # where recalled turns are grafted (PLACE): "after" the conversation, or "system": inside its
-        # system message where quoting puts them (a session's first message; later ones: after)
+        # where recalled turns go (PLACE): "message" opening the new user message (the turns layout), "after"
+        # the conversation (quoted: in the system message), "system" inside its system message (a first message)
         self.place = PLACE
         # keep a reply (Python's and the server's) from opening as a remembered turn reads (GUARD; guard.py)
         self.guard = GUARD
@@ -252,6 +262,8 @@ class ChatMemory:
         self.cover = COVER
         # after the most relevant turn, only turns holding a content word of the question (ON_TOPIC)
         self.on_topic = ON_TOPIC
+        # with on_topic, a best turn holding no content word of the question gives way to the best that does
+        self.topic_first = TOPIC_FIRST
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -345,9 +357,21 @@ class ChatMemory:
         out = []
         asked = content_terms(query)
 
+        terms: dict[int, set] = {}
+
         def held(h):                      # the question's content terms in the turn's best block (COVER)
-            return asked & content_terms(self.rt.tokenizer.decode(store.token_ids([h.row]), skip_special_tokens=True))
-        kept = relevant(list(firsts.values()), k, self.min_relevance, held if self.cover else None)
+            if h.row not in terms:
+                text = self.rt.tokenizer.decode(store.token_ids([h.row]), skip_special_tokens=True)
+                terms[h.row] = asked & content_terms(text)
+            return terms[h.row]
+        cands = list(firsts.values())
+        if self.on_topic and self.topic_first and asked and cands and not held(cands[0]):
+            # the best turn holds no content word of the question ("What is a haiku?" for "What is my flat
+            # number?", on "what"): the best one that does leads, and the cut is against it
+            on = next((h for h in cands if held(h)), None)
+            if on is not None:
+                cands = [on] + [h for h in cands if h is not on]
+        kept = relevant(cands, k, self.min_relevance, held if self.cover else None)
         if self.on_topic and asked:       # after the best, only a turn holding a content word of the question
             kept = kept[:1] + [h for h in kept[1:] if held(h)]
         for h in kept:

@@ -1,14 +1,18 @@
 """The window of a chat turn with memory, and a reply from it (Python; the server's chat uses the
-same window):
+same window). By default (ChatMemory.place "message"):
 
     [the conversation before the new message: restored exactly from its stored state]
+    [the new message's opening ("<|im_start|>user\n")]
     [the user's most relevant earlier turns: grafted as KV, re-rotated to follow it]   (as="kv")
-    [the new message and the assistant's opening: prefilled]
+    [the new message's words and the assistant's opening: prefilled]
 
-(ChatMemory.place "system": a session's first message gets them inside its system message instead,
-where quoting puts them.) as="text" quotes the same recalled turns in the system message and
-prefills everything (the text-memory baseline, as mem0-style memories do); as="none" recalls
-nothing."""
+The turns layout computed each turn behind a user message's opening: they sit where they were
+computed. ChatMemory.recompute of their tokens are recomputed there (1.0, the default: all of them).
+place "after": between the conversation and the new message; "system": a session's first message
+gets them inside its system message, where quoting puts them; a layout or template where "message"
+cannot apply grafts them after. as="text" quotes the same recalled turns where the place puts them
+(opening the new message; otherwise in the system message, as mem0-style memories do) and prefills
+everything (the text-memory baseline); as="none" recalls nothing."""
 
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from kvmemory.runtime import Runtime
 
 RECALL_TURNS = 3
 QUOTE_HEAD = "What this user said in earlier conversations:\n"     # the text baseline's heading
-# where recalled turns are grafted: after the conversation, or inside its system message (inline_parts)
-PLACES = ("after", "system")
+# where recalled turns are grafted: after the conversation, inside its system message (inline_parts), or
+# opening the new user message (opening_parts; the turns layout, whose turns were computed behind a user
+# message's opening)
+PLACES = ("after", "system", "message")
 QUOTE_END = ""          # after the last quoted turn ("\n": the tokens a system-placed graft holds)
 
 
@@ -85,6 +91,20 @@ def inline_parts(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
             tokenizer(after, add_special_tokens=False)["input_ids"])
 
 
+def opening_parts(tokenizer, tail: list[int]) -> tuple[list[int], list[int]] | None:
+    """tail (the new user message with the assistant's opening, split's) cut after the message's
+    opening ("<|im_start|>user\n"): place="message" grafts the recalled turns there, the new message's
+    words after them in the same message. None where the template's opening is not a token prefix of it."""
+    mark = "\u0000kvmemory-opening\u0000"
+    text = prompts.turn_text(tokenizer, mark)
+    if text.count(mark) != 1:
+        return None
+    opening = tokenizer(text.split(mark)[0], add_special_tokens=False)["input_ids"]
+    if not opening or tail[:len(opening)] != opening:
+        return None
+    return opening, tail[len(opening):]
+
+
 def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_tokens: int, as_: str = "kv",
           k: int = RECALL_TURNS, label: str | None = None, extra=(), owner: str | None = None) -> Window:
     """The window of `messages` for user memory `cm` (ChatMemory). Recalled turns exclude `session`'s
@@ -110,11 +130,18 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     label = label or "kvmemory:chat"
     parts = split(rt.tokenizer, messages) if as_ == "kv" and hits else None
     if parts is None:                                     # quoted as text (or nothing recalled)
-        msgs = quoted(messages, hits) if hits else messages
-        ids = prompts.chat_ids(rt.tokenizer, msgs)
+        def shown(hits):
+            if not hits:
+                return messages
+            if cm.place == "message" and cm.layout == "turns" and messages[-1]["role"] == "user":
+                # the very words a graft there holds: the turns open the new message
+                return messages[:-1] + [{"role": "user", "content": "".join(h.text for h in hits)
+                                         + messages[-1]["content"]}]
+            return quoted(messages, hits)
+        ids = prompts.chat_ids(rt.tokenizer, shown(hits))
         while hits and len(ids) + max_new_tokens > limit:
             hits = _drop_least(hits)
-            ids = prompts.chat_ids(rt.tokenizer, quoted(messages, hits) if hits else messages)
+            ids = prompts.chat_ids(rt.tokenizer, shown(hits))
         _fits(len(ids), max_new_tokens, limit)
         prefix = rt.save(ids[:-1], label=label, owner=owner) if len(ids) > 1 else None
         cache = prefix.cache() if prefix is not None else kvops.make_cache(None, rt.model.config)
@@ -126,8 +153,11 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     prefix_ids, tail = parts
     saved = prefix_ids + tail
     inline = inline_parts(rt.tokenizer, messages) if cm.place == "system" else None
+    opened = opening_parts(rt.tokenizer, tail) if cm.place == "message" and cm.layout == "turns" else None
     if inline is not None:          # grafted inside the conversation's system message, as quoting shows them
         prefix_ids, tail = inline
+    elif opened is not None:        # grafted where they were computed: after a user message's opening
+        prefix_ids, tail = prefix_ids + opened[0], opened[1]
     while hits and len(prefix_ids) + sum(h.n_tokens for h in hits) + len(tail) + max_new_tokens > limit:
         hits = _drop_least(hits)
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
@@ -148,6 +178,13 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     foot = (rt.tokenizer(cm.foot_text, add_special_tokens=False)["input_ids"]
             if cm.foot_text and inline is None else []) + tail
     rows = head + [r for h in hits for r in h.rows]
+    if cm.recompute >= 1.0:
+        # every recalled token recomputed (the default): prefilled after the conversation, their stored KV
+        # not read (the blend at r = 1 computes the same window, up to float rounding, at more cost)
+        done, n = graft.prefill_rows(rt, prefix_kv, rows, foot)
+        return Window(saved, done.cache, done.logits, cached, states, hits,
+                      _stats(hits, cached, n, 0, len(prefix_ids) - cached + len(foot), done.cache.get_seq_length(),
+                             recall_s, n))
     kv, grafted, rerotated = graft.after(rt, prefix_kv, rows)
     # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
     # conversation before them; the prefix stays exact. r: of the grafted tokens, not the window

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvmemory
-from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE, ON_TOPIC
+from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE, ON_TOPIC, PLACE, RECOMPUTE, TOPIC_FIRST
 from kvmemory.store import BlockStore
 
 
@@ -107,6 +107,26 @@ def test_on_topic_keeps_after_the_best_only_turns_holding_a_word_of_the_question
     assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s3"]
     assert [h.session for h in alice.recall("What is a haiku?", k=1)] == ["s2"]    # the best always comes
     assert len(alice.recall("What was it again?", k=3)) == 3          # no content word: nothing to hold
+
+
+def test_topic_first_a_best_turn_holding_no_word_of_the_question_gives_way(mem):
+    """ChatMemory.topic_first: where the most relevant turn holds no content word of the question (a
+    question of the user's own, ranked first on "what" and "my") and another recalled turn does, that
+    one leads and the cut is against it: the off-topic question is not recalled at all."""
+    alice = mem.chat_memory("alice")
+    alice.remember(exchange("Deliveries should go to flat 798.", "Noted."), "s1", when=100)
+    alice.remember(exchange("What is my haiku? What is my poem? What is my verse?", "A short poem."), "s2", when=200)
+    for i, f in enumerate(["We talked about the weather and the garden.", "Tell me a joke about ducks."]):
+        alice.remember(exchange(f, "Sure."), f"f{i}", when=300 + i)
+    q = "What is my flat number?"
+    assert alice.topic_first is TOPIC_FIRST
+    alice.topic_first = False
+    off = alice.recall(q, k=3)
+    assert max(off, key=lambda h: h.score).session == "s2"       # the best on BM25: the user's own question
+    alice.topic_first = True
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1"]
+    alice.on_topic = False                                     # topic_first acts with on_topic only
+    assert "s2" in {h.session for h in alice.recall(q, k=3)}
 
 
 def test_users_are_isolated_by_construction(mem):
@@ -257,7 +277,8 @@ def test_recomputing_the_grafted_turns_blends_them_into_the_window(mem):
     for i, f in enumerate(FILLER):
         alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
     msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "What is my locker code?"}]
-    assert alice.recompute == 0.3                            # the default (measured: bench_chat_memory.py)
+    assert alice.recompute == RECOMPUTE                      # the default (measured: bench_chat_recall.py)
+    alice.place = "after"                                    # the turns between the conversation and the message
     alice.recompute = 0.0
     build(mem.rt, alice, msgs, "new", 8, "kv", k=2)             # the conversation's prefix now stored
     plain = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
@@ -411,7 +432,7 @@ def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, m
     tok = mem.tokenizer
     alice = mem.chat_memory("alice", recompute=0.0)
     alice.min_relevance, alice.on_topic = 0.0, False     # both turns recalled (the cut would keep the locker alone)
-    assert alice.place == "after"
+    assert alice.place == PLACE
     alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
     alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
     alice.place = "system"
@@ -445,6 +466,56 @@ def test_placed_in_the_system_message_the_window_holds_what_quoting_shows(mem, m
     for as_ in ("kv", "text"):
         with pytest.raises(kvmemory.InputError, match="place"):
             build(mem.rt, alice, msgs, "new", 8, as_, k=2)
+
+
+def test_placed_opening_the_new_message_the_turns_sit_where_they_were_computed(mem):
+    """place="message" (the turns layout): the recalled turns are grafted right after the new user
+    message's opening, the context the layout computed them behind (a user message's opening), and
+    the message's words follow them in the same message; the session keeps its own conversation."""
+    import torch
+
+    from kvmemory import prompts
+    from kvmemory.chat_memory.window import build, opening_parts, split
+    tok = mem.tokenizer
+    alice = mem.chat_memory("alice", recompute=0.0)
+    alice.min_relevance, alice.on_topic = 0.0, False
+    alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    alice.remember(exchange("I like sailing.", "Nice."), "s2", when=200)
+    alice.place = "message"
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "What is my locker code?"}]
+    kv = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    assert len(kv.hits) == 2
+    grafted = mem.require_store().token_ids([r for h in kv.hits for r in h.rows])
+    prefix, tail = split(tok, msgs)
+    opening, words = opening_parts(tok, tail)
+    assert opening + words == tail and tok.decode(opening) == "<|im_start|>user\n"
+    assert kv.cache.get_seq_length() == len(prefix) + len(opening) + len(grafted) + len(words)
+    shown = tok.decode(prefix + opening + grafted + words)
+    assert shown.endswith("<|im_start|>user\n" + "".join(h.text for h in kv.hits)
+                          + "What is my locker code?<|im_end|>\n<|im_start|>assistant\n")
+    assert kv.ids == prompts.chat_ids(tok, msgs)
+    # quoted as text there: the very tokens, prefilled
+    text = build(mem.rt, alice, msgs, "new", 8, "text", k=2)
+    said = msgs[:-1] + [{"role": "user", "content": "".join(h.text for h in text.hits) + msgs[-1]["content"]}]
+    assert prompts.chat_ids(tok, said) == prefix + opening + grafted + words
+    assert text.cache.get_seq_length() == kv.cache.get_seq_length() and text.stats["tokens_grafted"] == 0
+    # every grafted token recomputed (the default, RECOMPUTE): quoting's window, up to float rounding
+    alice.recompute = 1.0
+    full = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    assert full.stats["tokens_recomputed"] == full.stats["tokens_grafted"] == len(grafted)
+    assert torch.allclose(full.logits, text.logits, atol=1e-3) and not torch.allclose(kv.logits, text.logits, atol=1e-3)
+    alice.recompute = 0.0
+    alice.place = "after"
+    after = build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+    assert not kv.logits.equal(after.logits)                # another window, another answer's odds
+    bob = mem.chat_memory("bob", layout="system", recompute=0.0)       # its turns follow a system opening:
+    bob.min_relevance = 0.0                                         # grafted after, as "after" places them
+    bob.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    bob.place = "message"
+    placed = build(mem.rt, bob, msgs, "new", 8, "kv", k=2)
+    bob.place = "after"
+    assert placed.logits.equal(build(mem.rt, bob, msgs, "new", 8, "kv", k=2).logits)
 
 
 def test_the_order_of_recalled_turns_time_or_the_most_relevant_last(mem):

@@ -77,6 +77,11 @@ def test_bench_chat_memory_condition_names():
     assert bcm.tuned("kv-rel-notopic-guard") == ("kv", {"order": "relevance", "on_topic": False, "guard": True})
     assert bcm.tuned("kv-topic") == ("kv", {"on_topic": True}) and bcm.tuned("kv-topic-rel") is None
     assert bcm.tuned("kv-guard-rel") is None
+    assert bcm.tuned("kv-nofirst") == ("kv", {"topic_first": False})
+    assert bcm.tuned("kv-notopic-first-guard") == ("kv", {"on_topic": False, "topic_first": True, "guard": True})
+    assert bcm.tuned("kv-first-topic") is None
+    assert bcm.tuned("kv-nofirst-open-guard") == ("kv", {"topic_first": False, "place": "message", "guard": True})
+    assert bcm.tuned("kv-open-first") is None and bcm.tuned("text-after") == ("text", {"place": "after"})
     assert bcm.tuned("kv") is None and bcm.tuned("kv-guard-r0") is None and bcm.tuned("text-r0-guard") is None
 
 
