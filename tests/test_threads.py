@@ -130,13 +130,13 @@ def test_a_memory_and_its_server_keep_one_team(tmp_path):
             m.close()
             return base, n
         base, n = _in_thread(build_and_count)
-        assert n == base
+        assert n <= base          # no team left (another thread of the process may end meanwhile)
 
         def job():
             base = _os_threads()
             _released(_parallel)              # a pool thread's job: outside the lock, released after
             return base, _os_threads()
         base, n = _in_thread(job)
-        assert n == base
+        assert n <= base          # no team left (another thread of the process may end meanwhile)
     finally:
         mem.close()
