@@ -276,6 +276,10 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 # -noguard last (ChatMemory.guard)
 TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
+# TUNED's suffix groups -> (the ChatMemory attribute each sets, its value for each suffix)
+SUFFIXES = {4: ("cover", {"-cover": True, "-nocover": False}), 5: ("order", {"-rel": "relevance", "-time": "time"}),
+            6: ("on_topic", {"-topic": True, "-notopic": False}), 7: ("topic_first", {"-first": True, "-nofirst": False}),
+            8: ("place", {"-open": "message", "-after": "after"}), 9: ("guard", {"-guard": True, "-noguard": False})}
 
 
 def tuned(c: str) -> tuple[str, dict] | None:
@@ -290,18 +294,9 @@ def tuned(c: str) -> tuple[str, dict] | None:
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}
     if m.group(3):
         settings["min_relevance"] = float(m.group(3))
-    if m.group(4):
-        settings["cover"] = m.group(4) == "-cover"
-    if m.group(5):
-        settings["order"] = "relevance" if m.group(5) == "-rel" else "time"
-    if m.group(6):
-        settings["on_topic"] = m.group(6) == "-topic"
-    if m.group(7):
-        settings["topic_first"] = m.group(7) == "-first"
-    if m.group(8):
-        settings["place"] = "message" if m.group(8) == "-open" else "after"
-    if m.group(9):
-        settings["guard"] = m.group(9) == "-guard"
+    for g, (attr, values) in SUFFIXES.items():
+        if m.group(g):
+            settings[attr] = values[m.group(g)]
     return m.group(1), settings
 
 

@@ -224,6 +224,11 @@ def condition(c: str) -> dict:
             "first": {"-first": True, "-nofirst": False}.get(m.group(15)), "place": {"-open": "message", "-after": "after"}.get(m.group(16))}
 
 
+# condition keys -> the ChatMemory attribute each sets for one reply (None in a condition: the default's)
+SETS = (("guard", "guard"), ("cut", "min_relevance"), ("cover", "cover"), ("order", "order"), ("topic", "on_topic"),
+        ("first", "topic_first"))
+
+
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
     """The user says `text` in `session`; the model replies through the first memory (remembered
     there: "exchange" where it is kept); the same exchange is remembered by the others. Returns the reply."""
@@ -289,18 +294,9 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         cm.foot_text = "<|im_end|>\n"
     if cond["head"]:          # the turns' own prelude grafted before them, their message closed after
         cm.graft_head = True
-    if cond["guard"] is not None:
-        cm.guard = cond["guard"]
-    if cond["cut"] is not None:
-        cm.min_relevance = cond["cut"]
-    if cond["cover"] is not None:
-        cm.cover = cond["cover"]
-    if cond["order"] is not None:
-        cm.order = cond["order"]
-    if cond["topic"] is not None:
-        cm.on_topic = cond["topic"]
-    if cond["first"] is not None:
-        cm.topic_first = cond["first"]
+    for key, attr in SETS:
+        if cond[key] is not None:
+            setattr(cm, attr, cond[key])
     if cond["inline"]:        # grafted inside the window's system message, where quoting puts the turns
         cm.place = "system"
     if cond["place"]:         # opening the new user message, its words after them; or after the conversation

@@ -164,10 +164,7 @@ def prefill_rows(rt: Runtime, prefix_kv: torch.Tensor, rows: list[int], tail: li
     """prefix_kv [L, 2, H, P, D], then the tokens of the blocks `rows` and `tail`, prefilled: every one of
     the blocks' tokens recomputed after the prefix (a blend's r = 1, computed the plain way), their stored
     KV not read. Their tokens are read verified (their ids re-derive from them). -> (Tail, tokens of rows)."""
-    ids: list[int] = []
-    if rows:
-        meta = rt.store().verified_meta(rows)
-        ids = [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
+    ids = rt.store().token_ids(rows, verified=True) if rows else []
     return prefill_tail(rt, prefix_kv if prefix_kv.shape[3] else None, ids + list(tail)), len(ids)
 
 

@@ -129,11 +129,12 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     limit = rt.geometry.max_positions
     label = label or "kvmemory:chat"
     parts = split(rt.tokenizer, messages) if as_ == "kv" and hits else None
+    at_opening = cm.place == "message" and cm.layout == "turns"     # where the turns layout computed them
     if parts is None:                                     # quoted as text (or nothing recalled)
         def shown(hits):
             if not hits:
                 return messages
-            if cm.place == "message" and cm.layout == "turns" and messages[-1]["role"] == "user":
+            if at_opening and messages[-1]["role"] == "user":
                 # the very words a graft there holds: the turns open the new message
                 return messages[:-1] + [{"role": "user", "content": "".join(h.text for h in hits)
                                          + messages[-1]["content"]}]
@@ -153,7 +154,7 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     prefix_ids, tail = parts
     saved = prefix_ids + tail
     inline = inline_parts(rt.tokenizer, messages) if cm.place == "system" else None
-    opened = opening_parts(rt.tokenizer, tail) if cm.place == "message" and cm.layout == "turns" else None
+    opened = opening_parts(rt.tokenizer, tail) if at_opening else None
     if inline is not None:          # grafted inside the conversation's system message, as quoting shows them
         prefix_ids, tail = inline
     elif opened is not None:        # grafted where they were computed: after a user message's opening

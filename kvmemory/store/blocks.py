@@ -281,9 +281,10 @@ class BlockStore(CommitMixin, GcMixin):
             dict.__setitem__(out, name, buf)
         return out
 
-    def token_ids(self, rows: Sequence[int]) -> list[int]:
-        """The token ids the given committed rows hold, in order (each block's valid tokens)."""
-        meta = self.block_meta(rows)
+    def token_ids(self, rows: Sequence[int], verified: bool = False) -> list[int]:
+        """The token ids the given committed rows hold, in order (each block's valid tokens); verified: read
+        through verified_meta (each block's id re-derives from its tokens: tokens a window is computed from)."""
+        meta = self.verified_meta(rows) if verified else self.block_meta(rows)
         return [int(t) for toks, n in zip(meta["tokens"], meta["n_tokens"]) for t in toks[:n]]
 
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
