@@ -63,6 +63,13 @@ def content_terms(text: str) -> set[str]:
     return set(terms(text, _content_stop()))
 
 
+def content_words(text: str) -> str:
+    """The words of a text outside that longer list, as they were written (a BM25 query of them scores
+    what the text is about alone: "What is my job?" -> "job")."""
+    stop = _content_stop()
+    return " ".join(w for w in _WORD.findall(text.lower()) if w not in stop)
+
+
 K1, B = 1.5, 0.75                # bm25s' defaults
 
 
@@ -124,8 +131,9 @@ class LexicalIndex:
             got = self._arrays[term] = (ids, tf, ln)
         return got
 
-    def scores(self, query: str) -> tuple[np.ndarray, np.ndarray]:
-        """(window ids, BM25 scores) of the windows holding a term of the query, ids ascending."""
+    def scores(self, query: str, need=None) -> tuple[np.ndarray, np.ndarray]:
+        """(window ids, BM25 scores) of the windows holding a term of the query, ids ascending; need (terms,
+        as terms() gives them): only the windows holding one of them."""
         q = [t for t in terms(query, self._stop) if t in self._post]
         if not q or not self._docs:
             return np.zeros(0, np.int64), np.zeros(0, np.float64)
@@ -137,13 +145,18 @@ class LexicalIndex:
             df = len(ids)
             idf = np.log(1.0 + (n - df + 0.5) / (df + 0.5))
             acc[np.searchsorted(cand, ids)] += idf * tf / (K1 * ((1.0 - B) + B * ln / avg) + tf)
+        if need is not None:
+            held = [self._postings(t)[0] for t in need if t in self._post]
+            keep = np.isin(cand, np.concatenate(held)) if held else np.zeros(len(cand), bool)
+            cand, acc = cand[keep], acc[keep]
         return cand, acc
 
-    def search(self, query: str, k: int) -> list[tuple[int, float]]:
-        """Top k (window id, BM25 score) with a positive score, best first (equal scores: lower id first)."""
+    def search(self, query: str, k: int, need=None) -> list[tuple[int, float]]:
+        """Top k (window id, BM25 score) with a positive score, best first (equal scores: lower id first);
+        need: of the windows holding one of those terms (scores())."""
         if k <= 0:
             return []
-        ids, sc = self.scores(query)
+        ids, sc = self.scores(query, need)
         keep = sc > 0
         ids, sc = ids[keep], sc[keep]
         if not len(ids):

@@ -49,9 +49,12 @@ def check_selector(selector: str) -> None:
         raise InputError(f"selector must be one of {SELECTORS}, got {selector!r}")
 
 
-def rank_blocks(rt: Runtime, docs, question: str, selector: str = "text", n: int = 32, doc_filter=None) -> list[Ranked]:
+def rank_blocks(rt: Runtime, docs, question: str, selector: str = "text", n: int = 32, doc_filter=None,
+                lexical: str | None = None, need=None) -> list[Ranked]:
     """The n best live blocks for a question, best first. doc_filter(doc_id) -> bool limits the
-    ranking to some documents (the indexes are searched deeper to find them)."""
+    ranking to some documents (the indexes are searched deeper to find them). lexical: the query
+    BM25 scores (default: the question); need: BM25 ranks only the windows holding one of these terms
+    (index.lexical.terms)."""
     check_selector(selector)
     live = docs.live_map()
     if doc_filter is not None:
@@ -67,7 +70,7 @@ def rank_blocks(rt: Runtime, docs, question: str, selector: str = "text", n: int
         if kind == "dense":
             hits = idx.search(docs.embedder.embed([question])[0], pool)
         elif kind == "bm25":
-            hits = idx.search(question, pool)
+            hits = idx.search(question if lexical is None else lexical, pool, need)
         else:
             g = rt.geometry
             qv = keysel.query_vector(rt.model, text_ids(rt.tokenizer, question), docs.key_layer, g.kv_heads,

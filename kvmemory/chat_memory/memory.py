@@ -150,6 +150,25 @@ COVER = True
 # and 83 -> 89 (seed 370187567, drawn after the choice); quoted as text 97 -> 94 and 99 -> 100
 ON_TOPIC = True
 TOPIC_FIRST = True
+# what BM25 ranks for a question: "held", only the turns holding a content word of it (bm25s' longer stopword
+# list: not "what", "is", "my"), each scored on all its words ("my" still counts among them); "content", its
+# content words alone; "all", every turn on all its words. On all of them BM25 ranked first a turn sharing
+# only such words with the question ("What is a haiku?" for "What is my job?", "How do I remove a coffee
+# stain?" for "What car do I drive?": 21 of the 29 answers KV trailed the oracle by on the eighth draw were
+# such misses); held, a question sharing no content word with any turn is answered by the dense ranking
+# (MiniLM), which finds "I work as a librarian". Measured as KV on a fresh draw of 200 probes of the model's
+# own conversations (bench_chat_recall.py, 2026-12-07, histories seed 1722279555, AMD EPYC): the told value
+# recalled for 174 -> 191 questions, 123 -> 135 right (content 136; the fact alone 156); at ~100K tokens a
+# user (seed 1997234457): 48 -> 54 of 60 recalled, 40 -> 41 right (content 38: a docstring's "context
+# manager" outranked "My manager Astrid ..." without "my")
+LEXICALS = ("all", "content", "held")
+LEXICAL = "held"
+# a turn said after the best one, holding a word of the question the best holds, kept under the cut (an update
+# of it: "I changed my locker combination" after "My gym locker combination is ..."). Off: on the same draw
+# (with lexical "content") it found one more told value (192) and answered 10 fewer (126 against 136; 11 lost,
+# 1 gained): the later turns it added were mostly another fact sharing a word with the best ("favourite" of a
+# food for "What is my favourite colour?"), not an update
+NEWER = False
 MAX_USER = 200
 
 
@@ -264,12 +283,20 @@ class ChatMemory:
         self.on_topic = ON_TOPIC
         # with on_topic, a best turn holding no content word of the question gives way to the best that does
         self.topic_first = TOPIC_FIRST
+        # what BM25 ranks for a question (LEXICAL): "held", the turns holding a content word of it; "content",
+        # on its content words alone; "all", every turn on all its words
+        self.lexical = LEXICAL
+        # a turn said after the best one, holding a word of the question it holds, comes under the cut (its update)
+        self.newer = NEWER
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
-        # (0 for a model the blend cannot reproduce, kvmemory.blend.supported: its turns graft as they are)
+        # (at 1.0 the turns' tokens are prefilled, no blend: every model; below it, 0 for a model the blend
+        # cannot reproduce, kvmemory.blend.supported: its turns graft as they are)
         from kvmemory.blend import supported
-        self.recompute = (RECOMPUTE if supported(rt.model) is None else 0.0) if recompute is None else recompute
+        if recompute is None:
+            recompute = RECOMPUTE if RECOMPUTE >= 1.0 or supported(rt.model) is None else 0.0
+        self.recompute = recompute
         check_recompute(self.recompute)
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"{MEMORY_LABEL}{self.key}", head=head, owner=self.key)
@@ -336,11 +363,13 @@ class ChatMemory:
     def recall(self, query: str, k: int = 3, exclude_session: str | None = None) -> list[Recall]:
         """The k turns most relevant to `query` (never of `exclude_session`: the session asking has
         them in its own prompt), oldest first."""
-        from kvmemory.index.lexical import content_terms
+        from kvmemory.index.lexical import content_terms, content_words
         from kvmemory.retrieve import rank_blocks, relevant
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InputError(f"k must be an integer >= 1, got {k!r}")
         check_min_relevance(self.min_relevance, of="turn")
+        if self.lexical not in LEXICALS:
+            raise InputError(f"lexical must be one of {LEXICALS}, got {self.lexical!r}")
         if not isinstance(query, str) or not query.strip():
             return []
         store = self.rt.store()
@@ -349,13 +378,15 @@ class ChatMemory:
         if not docs.live_map():
             return []
         skip = f"{self.prefix}{session_key(exclude_session)}:" if exclude_session else None
+        asked = content_terms(query)
+        words = content_words(query) if self.lexical == "content" else ""
         ranked = rank_blocks(self.rt, docs, query, "text", n=4 * k,
-                             doc_filter=(lambda d: not d.startswith(skip)) if skip else None)
+                             doc_filter=(lambda d: not d.startswith(skip)) if skip else None,
+                             lexical=words or None, need=asked if self.lexical == "held" and asked else None)
         live, firsts = docs.live_map(), {}
         for h in ranked:                  # each turn by its best block; the cut is ask's, turn for block
             firsts.setdefault(live[h.row][0], h)
         out = []
-        asked = content_terms(query)
 
         terms: dict[int, set] = {}
 
@@ -374,6 +405,14 @@ class ChatMemory:
         kept = relevant(cands, k, self.min_relevance, held if self.cover else None)
         if self.on_topic and asked:       # after the best, only a turn holding a content word of the question
             kept = kept[:1] + [h for h in kept[1:] if held(h)]
+        if self.newer and kept and asked and held(kept[0]):
+            # a turn said after the best one, holding a word of the question it holds, under the cut: an
+            # update of it ("I changed my locker combination, it is 96273 now" after "My gym locker
+            # combination is 12359")
+            best, when = kept[0], self._when(live[kept[0].row][0])
+            for h in cands[1:k]:
+                if len(kept) < k and h not in kept and held(h) & held(best) and self._when(live[h.row][0]) > when:
+                    kept.append(h)
         for h in kept:
             doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]
@@ -382,6 +421,10 @@ class ChatMemory:
             out.append(Recall(doc_id, meta["session"], meta["turn"], meta["time"], score, tuple(entry.rows),
                               entry.n_tokens, text, msgs))
         return sorted(out, key=lambda r: (r.time, r.turn))
+
+    def _when(self, doc_id: str) -> tuple[float, int]:
+        meta = json.loads(self.rt.store().manifest.docs[doc_id].source)
+        return meta["time"], meta["turn"]
 
     def _turn(self, rows, meta: dict) -> tuple[str, tuple[dict, ...]]:
         """A kept turn's prose text and (a messages-layout turn) its chat messages, from its tokens."""

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kvmemory
-from kvmemory.chat_memory.memory import COVER, MIN_RELEVANCE, ON_TOPIC, PLACE, RECOMPUTE, TOPIC_FIRST
+from kvmemory.chat_memory.memory import (COVER, LEXICAL, MIN_RELEVANCE, NEWER, ON_TOPIC, PLACE, RECOMPUTE,
+                                        TOPIC_FIRST)
 from kvmemory.store import BlockStore
 
 
@@ -16,6 +17,14 @@ def exchange(user, reply):
 
 FILLER = ["We talked about the weather and the garden.", "Tell me a joke about ducks.",
           "What is a good pasta recipe?", "How do I fix a flat bicycle tyre?"]
+
+
+def told(cm, turns, filler_at: float) -> None:
+    """cm remembers each (user's words, session, time) with a short reply, then FILLER from filler_at on."""
+    for words, session, when in turns:
+        cm.remember(exchange(words, "Noted."), session, when=when)
+    for i, f in enumerate(FILLER):
+        cm.remember(exchange(f, "Sure."), f"f{i}", when=filler_at + i)
 
 
 @pytest.fixture
@@ -44,10 +53,8 @@ def test_remember_recall_sessions_and_the_latest_turn_last(mem):
 
 def test_min_relevance_cuts_the_turns_far_less_relevant_than_the_best(mem):
     alice = mem.chat_memory("alice")
-    alice.remember(exchange("My bike lock code is 6090, in case I forget.", "Noted."), "s1", when=100)
-    alice.remember(exchange("The lock in threading holds until the code releases it.", "Yes."), "s2", when=110)
-    for i, f in enumerate(FILLER):
-        alice.remember(exchange(f, "Sure."), f"f{i}", when=150 + i)
+    told(alice, [("My bike lock code is 6090, in case I forget.", "s1", 100),
+                 ("The lock in threading holds until the code releases it.", "s2", 110)], 150)
     q = "What is the code of my bike lock?"
     assert alice.min_relevance == MIN_RELEVANCE == 0.75     # the default (ask's too)
     alice.on_topic = False                        # the cut alone (on_topic: its own test)
@@ -120,6 +127,7 @@ def test_topic_first_a_best_turn_holding_no_word_of_the_question_gives_way(mem):
         alice.remember(exchange(f, "Sure."), f"f{i}", when=300 + i)
     q = "What is my flat number?"
     assert alice.topic_first is TOPIC_FIRST
+    alice.lexical = "all"          # BM25 on every turn ("held", the default, never ranks s2 on "what" and "my")
     alice.topic_first = False
     off = alice.recall(q, k=3)
     assert max(off, key=lambda h: h.score).session == "s2"       # the best on BM25: the user's own question
@@ -127,6 +135,49 @@ def test_topic_first_a_best_turn_holding_no_word_of_the_question_gives_way(mem):
     assert [h.session for h in alice.recall(q, k=3)] == ["s1"]
     alice.on_topic = False                                     # topic_first acts with on_topic only
     assert "s2" in {h.session for h in alice.recall(q, k=3)}
+
+
+def test_lexical_bm25_ranks_by_the_words_a_question_is_about(mem):
+    """ChatMemory.lexical "held" (BM25 ranks only the turns holding a content word of the question) and
+    "content" (BM25 scores the question's content words alone): "What is my job?" shares no such word with
+    any turn, so the dense ranking answers alone (BM25 on "what" and "my" would put the user's own
+    questions first) and finds the turn about work."""
+    alice = mem.chat_memory("alice")
+    told(alice, [("I work as a librarian in the old town.", "s1", 100),
+                 ("What is my haiku? What is my poem? What is my verse?", "s2", 200)], 300)
+    q = "What is my job?"
+    assert alice.lexical == LEXICAL
+    alice.lexical = "all"
+    words = alice.recall(q, k=3)
+    assert max(words, key=lambda h: h.score).session == "s2"     # BM25 on "what", "is", "my"
+    for mode in ("content", "held"):
+        alice.lexical = mode
+        assert [h.session for h in alice.recall(q, k=3)] == ["s1"], mode
+    # a question with no content word at all is scored on its words (nothing better to go on)
+    assert alice.recall("What is it?", k=3)
+    alice.lexical = "stems"
+    with pytest.raises(kvmemory.InputError, match="lexical must be one of"):
+        alice.recall(q, k=3)
+
+
+def test_newer_a_later_turn_on_the_best_ones_words_is_kept_as_its_update(mem):
+    """ChatMemory.newer: a turn said after the most relevant one, holding a content word of the question
+    that it holds, comes though it scores under the cut (an update: "I changed my locker combination"
+    after "My gym locker combination is ..."); an earlier one does not."""
+    old, new = "My gym locker combination is 12359, the gym by the station.", "I changed my locker combination, it is 96273 now."
+    alice = mem.chat_memory("alice")
+    told(alice, [(old, "s1", 100), (new, "s2", 200)], 300)
+    q = "Which number opens my gym locker?"
+    assert alice.newer is NEWER
+    alice.newer = False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1"]    # under the cut, no word s1 lacks
+    alice.newer = True
+    got = alice.recall(q, k=3)
+    assert [h.session for h in got] == ["s1", "s2"] and "96273" in got[-1].text   # the update nearest
+    bob = mem.chat_memory("bob")                  # the same turns in the other order: no update of the best
+    told(bob, [(new, "s2", 100), (old, "s1", 200)], 300)
+    bob.newer = True
+    assert [h.session for h in bob.recall(q, k=3)] == ["s1"]
 
 
 def test_users_are_isolated_by_construction(mem):

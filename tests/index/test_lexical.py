@@ -8,7 +8,7 @@ import bm25s
 import numpy as np
 import pytest
 
-from kvmemory.index.lexical import LexicalIndex, terms
+from kvmemory.index.lexical import LexicalIndex, content_terms, content_words, terms
 
 WORDS = [f"w{i}" for i in range(40)] + ["harbour", "lantern", "moved", "moving", "oslo", "bergen", "4417", "code"]
 
@@ -67,6 +67,22 @@ def test_scores_are_bm25s_scores_after_adds_and_removes(rng, tmp_path):
         a, b, c = idx.scores(q), once.scores(q), loaded.scores(q)
         assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in ((a, b), (a, c)))
         assert idx.search(q, 5) == once.search(q, 5) == loaded.search(q, 5)
+
+
+def test_need_ranks_only_the_windows_holding_a_word_the_question_is_about():
+    """search(need=terms): the windows holding one of them, each with its score over the whole query ("my"
+    and "what" still count); content_words keeps what a question is about, as written."""
+    idx = LexicalIndex()
+    idx.add([1, 2, 3, 4], ["What is my haiku? What is my poem?", "My manager is Astrid.",
+                           "a context manager manager manager", "I work as a librarian"])
+    q = "Who is my manager?"
+    assert content_terms(q) == set(terms("manager")) and content_words("What is my job? Which car now?") == "job car"
+    full = dict(idx.search(q, 10))
+    held = idx.search(q, 10, need=content_terms(q))
+    assert {i for i, _ in held} == {2, 3} and all(s == full[i] for i, s in held)
+    assert held[0][0] == 2                                  # "my" still counts among them
+    assert idx.search("What is my job?", 10, need=content_terms("What is my job?")) == []   # none holds "job"
+    assert 1 in full and idx.search(q, 10, need=set()) == []
 
 
 def test_empty_and_bad_input():

@@ -241,6 +241,15 @@ def test_rerank_ask_chat_memory_compact_and_audit(family, family_dirs, tmp_path,
         cm.reply([{"role": "user", "content": "I like walking by the river."}], session="s2", max_new_tokens=3)
         got = cm.recall("What is my locker combination?", exclude_session="s9")
         assert got and "52917" in got[0].text
+        # recalled as KV (the default: every recalled token prefilled after the restored conversation, no
+        # blend, so every family): the window quoting the same turns shows, up to float rounding
+        from kvmemory.chat_memory.window import build
+        assert cm.recompute == 1.0
+        ask_ = [{"role": "user", "content": "What is my locker combination?"}]
+        kv, text = build(mem.rt, cm, ask_, "s9", 3, "kv"), build(mem.rt, cm, ask_, "s9", 3, "text")
+        assert kv.hits and kv.stats["tokens_recomputed"] == kv.stats["tokens_grafted"] > 0
+        assert kv.cache.get_seq_length() == text.cache.get_seq_length()
+        assert torch.allclose(kv.logits.float(), text.logits.float(), atol=1e-3)
         _, rows = mem.audit(3, seed=5)
         assert rows and all(r.ok and r.exact for r in rows)
         rep = mem.compact(tmp_path / "c.kvm", "bf16")
