@@ -44,6 +44,8 @@ Side by side on the same questions (one run, one machine):
     -allwords  its words, every turn (ChatMemory.lexical), e.g. kv-content, text-allwords
     -newer     after -content / -held / -allwords: a turn said after the most relevant one and holding a word of
     -nonewer   the question it holds comes under the cut, or not (ChatMemory.newer), e.g. kv-content-newer
+    -supersede after -newer / -nonewer: of the kept turns holding the same words of the question, the
+    -nosupersede  newest alone (a correction stands for what it corrects), or not (ChatMemory.supersede)
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -278,14 +280,16 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 # conditions that change ChatMemory settings for one reply: kv-rF (recompute), kv-cutF / text-cutF (min_relevance,
 # then -cover / -nocover), and both: kv-rF-cutF; then -rel / -time (ChatMemory.order), -topic / -notopic
 # (ChatMemory.on_topic), -first / -nofirst (ChatMemory.topic_first), -open (ChatMemory.place "message" or "after"),
-# -content / -allwords (ChatMemory.lexical), -newer / -nonewer (ChatMemory.newer); -guard / -noguard last (ChatMemory.guard)
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-guard|-noguard)?")
+# -content / -allwords (ChatMemory.lexical), -newer / -nonewer (ChatMemory.newer), -supersede / -nosupersede
+# (ChatMemory.supersede); -guard / -noguard last (ChatMemory.guard)
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 # TUNED's suffix groups -> (the ChatMemory attribute each sets, its value for each suffix)
 SUFFIXES = {4: ("cover", {"-cover": True, "-nocover": False}), 5: ("order", {"-rel": "relevance", "-time": "time"}),
             6: ("on_topic", {"-topic": True, "-notopic": False}), 7: ("topic_first", {"-first": True, "-nofirst": False}),
             8: ("place", {"-open": "message", "-after": "after"}), 9: ("lexical", {"-content": "content", "-held": "held", "-allwords": "all"}),
-            10: ("newer", {"-newer": True, "-nonewer": False}), 11: ("guard", {"-guard": True, "-noguard": False})}
+            10: ("newer", {"-newer": True, "-nonewer": False}),
+            11: ("supersede", {"-supersede": True, "-nosupersede": False}), 12: ("guard", {"-guard": True, "-noguard": False})}
 
 
 def tuned(c: str) -> tuple[str, dict] | None:
@@ -294,7 +298,7 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if (m is None or not any(m.group(i) for i in (2, 3, *range(5, 12)))
+    if (m is None or not any(m.group(i) for i in (2, 3, *range(5, 13)))
             or (m.group(2) and m.group(1) != "kv")):     # -rF: KV's alone
         return None
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}

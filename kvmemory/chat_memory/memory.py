@@ -169,6 +169,9 @@ LEXICAL = "held"
 # 1 gained): the later turns it added were mostly another fact sharing a word with the best ("favourite" of a
 # food for "What is my favourite colour?"), not an update
 NEWER = False
+# of kept turns holding the same content words of the question, only the newest (a correction stands for
+# what it corrects: "They reset the door code at work to 2213." for "The door code at work is 5446.")
+SUPERSEDE = False
 MAX_USER = 200
 
 
@@ -288,6 +291,8 @@ class ChatMemory:
         self.lexical = LEXICAL
         # a turn said after the best one, holding a word of the question it holds, comes under the cut (its update)
         self.newer = NEWER
+        # of kept turns holding the same words of the question, the newest alone (SUPERSEDE)
+        self.supersede = SUPERSEDE
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -413,6 +418,11 @@ class ChatMemory:
             for h in cands[1:k]:
                 if len(kept) < k and h not in kept and held(h) & held(best) and self._when(live[h.row][0]) > when:
                     kept.append(h)
+        if self.supersede and asked:
+            last = {}                     # the newest kept turn for each set of the question's words held
+            for h in sorted(kept, key=lambda h: self._when(live[h.row][0])):
+                last[frozenset(held(h))] = h
+            kept = [h for h in kept if not held(h) or last[frozenset(held(h))] is h]
         for h in kept:
             doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]

@@ -258,8 +258,11 @@ class ChatService:
             t.start()
 
         def join():
-            for t in threads:
-                t.join()
+            # the request's hold on the Memory's lock let go while it waits: the decode loop takes it for
+            # every step, and a choice still decoding after choice 0 has finished needs those steps
+            with batching.let_go(mem.exclusive()):
+                for t in threads:
+                    t.join()
             return _results(out)
         return join
 

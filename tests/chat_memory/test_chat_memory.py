@@ -7,7 +7,7 @@ import pytest
 
 import kvmemory
 from kvmemory.chat_memory.memory import (COVER, LEXICAL, MIN_RELEVANCE, NEWER, ON_TOPIC, PLACE, RECOMPUTE,
-                                        TOPIC_FIRST)
+                                        SUPERSEDE, TOPIC_FIRST)
 from kvmemory.store import BlockStore
 
 
@@ -177,6 +177,28 @@ def test_newer_a_later_turn_on_the_best_ones_words_is_kept_as_its_update(mem):
     bob = mem.chat_memory("bob")                  # the same turns in the other order: no update of the best
     told(bob, [(new, "s2", 100), (old, "s1", 200)], 300)
     bob.newer = True
+    assert [h.session for h in bob.recall(q, k=3)] == ["s1"]
+
+
+def test_supersede_of_turns_holding_the_same_words_of_the_question_the_newest_alone(mem):
+    """ChatMemory.supersede: two kept turns holding the same content words of the question are told of the
+    same thing, so the newer stands alone (a correction for what it corrects), whichever ranks first; a kept
+    turn holding other words of the question (a second fact asked for) stays."""
+    old, new = "The door code at work is 5446.", "They reset the door code at work to 2213."
+    alice = mem.chat_memory("alice")
+    told(alice, [(old, "s1", 100), (new, "s2", 200), ("My sister is called Priya.", "s3", 250)], 300)
+    q = "What is the door code at work?"
+    alice.min_relevance = 0.0                       # both turns kept under no cut
+    assert alice.supersede is SUPERSEDE
+    alice.supersede = False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s2"]
+    alice.supersede = True
+    assert [h.session for h in alice.recall(q, k=3)] == ["s2"]
+    both = alice.recall("What is the door code at work, and what is my sister called?", k=3)
+    assert [h.session for h in both] == ["s2", "s3"]
+    bob = mem.chat_memory("bob")                    # told in the other order: the newer is the old words
+    told(bob, [(new, "s2", 100), (old, "s1", 200)], 300)
+    bob.min_relevance, bob.supersede = 0.0, True
     assert [h.session for h in bob.recall(q, k=3)] == ["s1"]
 
 

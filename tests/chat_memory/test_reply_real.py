@@ -83,6 +83,9 @@ def test_bench_chat_memory_condition_names():
     assert bcm.tuned("kv-content-newer-guard") == ("kv", {"lexical": "content", "newer": True, "guard": True})
     assert bcm.tuned("text-open-allwords-nonewer") == ("text", {"place": "message", "lexical": "all", "newer": False})
     assert bcm.tuned("kv-newer-content") is None
+    assert bcm.tuned("kv-supersede-guard") == ("kv", {"supersede": True, "guard": True})
+    assert bcm.tuned("text-newer-nosupersede") == ("text", {"newer": True, "supersede": False})
+    assert bcm.tuned("kv-supersede-newer") is None
     assert bcm.tuned("kv-nofirst-open-guard") == ("kv", {"topic_first": False, "place": "message", "guard": True})
     assert bcm.tuned("kv-open-first") is None and bcm.tuned("text-after") == ("text", {"place": "after"})
     assert bcm.tuned("kv") is None and bcm.tuned("kv-guard-r0") is None and bcm.tuned("text-r0-guard") is None

@@ -636,3 +636,27 @@ def test_n_choices_each_with_its_seed(tmp_path, tiny, batch):
         assert len({c.message.content for c in greedy.choices}) == 1
         r = httpx.post(url + "/v1/chat/completions", json={**kw, "n": 2, "stream": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_n_choices_where_choice_0_stops_first_all_come_back(tmp_path, tiny):
+    """n = 3 in the batcher where choice 0 ends (a stop string) while another still decodes: the request
+    lets go of the Memory's lock while it waits for the other choices (holding it, the decode loop, which
+    takes it for every step, waited forever: a hang seen in CI). Seeds are drawn until such a case is
+    served; each answer must come back within the client's timeout."""
+    from openai import OpenAI
+
+    mem = kvmemory.Memory(tmp_path / "s.kvm", model=tiny)
+    with serving(mem, batch=8) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        kw = dict(model=mem.model_name, max_tokens=4, n=3, temperature=1.0, stop=["a"],
+                  messages=[{"role": "user", "content": "Tell me a story."}])
+        seen = 0
+        for seed in range(40):
+            r = client.chat.completions.create(seed=seed, **kw)
+            assert len(r.choices) == 3
+            why = [c.finish_reason for c in r.choices]
+            # choice 0 stopped, another ran to max_tokens: choice 0 finished first
+            seen += why[0] == "stop" and "length" in why[1:]
+            if seen >= 2:
+                break
+        assert seen >= 2, "no seed made choice 0 finish first: the case is not exercised"
