@@ -170,7 +170,8 @@ LEXICAL = "held"
 # food for "What is my favourite colour?"), not an update
 NEWER = False
 # of kept turns holding the same content words of the question, only the newest (a correction stands for
-# what it corrects: "They reset the door code at work to 2213." for "The door code at work is 5446.")
+# what it corrects: "They reset the door code at work to 2213." for "The door code at work is 5446."). Off: a
+# fresh draw 147 -> 148 (draw 9 135 -> 143, ~100K 41 -> 42), and it drops a turn a later one adds to
 SUPERSEDE = False
 MAX_USER = 200
 
