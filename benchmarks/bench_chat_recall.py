@@ -46,7 +46,8 @@ grafted after the conversation, quoted in the system message: "after"; without e
 ranking only the turns holding a content word of it; or all its words, every turn: ChatMemory.lexical),
 -newer / -nonewer (a turn said after the most relevant one, holding a word of the question it holds, is kept
 under the cut as its update, or not: ChatMemory.newer), -supersede / -nosupersede (of the kept turns holding the
-same words of the question, the newest alone, or not: ChatMemory.supersede), e.g. kv-user-system-r0.6,
+same words of the question, the newest alone, or not: ChatMemory.supersede), -dense / -nodense (the dense
+ranking's best turn kept too, room permitting, or not: ChatMemory.dense), e.g. kv-user-system-r0.6,
 kv-user-cut0.75-nocover.
 --store DIR keeps the histories (the store and the probes) and reuses them: the conditions of several runs
 are then paired on the same conversations.
@@ -214,13 +215,13 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
                          "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after][-content|-held|-allwords]"
-                         f"[-newer|-nonewer][-supersede|-nosupersede] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+                         f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
@@ -232,13 +233,14 @@ def condition(c: str) -> dict:
             "first": {"-first": True, "-nofirst": False}.get(m.group(15)), "place": {"-open": "message", "-after": "after"}.get(m.group(16)),
             "lexical": {"-content": "content", "-held": "held", "-allwords": "all"}.get(m.group(17)),
             "newer": {"-newer": True, "-nonewer": False}.get(m.group(18)),
-            "supersede": {"-supersede": True, "-nosupersede": False}.get(m.group(19))}
+            "supersede": {"-supersede": True, "-nosupersede": False}.get(m.group(19)),
+            "dense": {"-dense": True, "-nodense": False}.get(m.group(20))}
 
 
 # condition keys -> the ChatMemory attribute each sets for one reply (None in a condition: the default's)
 SETS = (("guard", "guard"), ("cut", "min_relevance"), ("cover", "cover"), ("order", "order"), ("topic", "on_topic"),
         ("first", "topic_first"), ("lexical", "lexical"), ("newer", "newer"),
-        ("supersede", "supersede"))
+        ("supersede", "supersede"), ("dense", "dense"))
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:

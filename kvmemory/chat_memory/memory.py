@@ -28,7 +28,9 @@ import xxhash
 from jinja2.exceptions import TemplateError
 
 from kvmemory import prompts
-from kvmemory.chat_memory.turns import KEEPS, turn_text
+from kvmemory.chat_memory.rules import (COVER, DENSE, LEXICAL, LEXICALS, MIN_RELEVANCE, NEWER, ON_TOPIC, ORDER,  # noqa: F401
+                                        SUPERSEDE, TOPIC_FIRST, refine)
+from kvmemory.chat_memory.turns import KEEPS, said, turn_text
 from kvmemory.documents import Scopes
 from kvmemory.errors import InputError
 from kvmemory.options import check_min_relevance, check_recompute
@@ -129,50 +131,6 @@ GUARD = True
 # histories seeds 971571245 / 488028631): as KV 84 / 99 right "after" the conversation -> 105 / 112; quoted
 # in the system message 90 / 96 -> opening the message 132 / 125 (docs/guides/chat-memory.md)
 PLACE = "message"
-# the order recalled turns take in the window: "time" (oldest first, as they were said) or "relevance" (the
-# most relevant last, nearest the new message)
-ORDER = "time"
-# a recalled turn after the most relevant one needs this fraction of its BM25 score (0: the k best turns,
-# however weak): a far less relevant turn is a distractor to a small model (ask's min_relevance, the same
-# 0.75); with COVER, one below it holding a content word of the question no kept turn holds comes still at
-# half the best's score (the second fact of "What is my locker code, and what is my sister's name?").
-# Measured as KV against the k best (docs/guides/chat-memory.md, 2026-12-06): 200 probes of the model's own
-# conversations (bench_chat_recall.py, histories seed 856338604) 72 -> 84 right (paired 30 / 18; without
-# COVER 79); 160 probes at ~100K tokens a user (seed 91410147, without COVER) 50 -> 70 (28 / 8); the
-# scripted benchmark (bench_chat_memory.py, seed 1865097120) 31 -> 32 (10 / 9; without COVER 30)
-MIN_RELEVANCE = 0.75
-COVER = True
-# a turn recalled after the most relevant one must hold a content word of the question (not a stopword of
-# bm25s' longer list): BM25 keeps "what", "my", "do", rare in a user's statements, so "What is a haiku?"
-# passes the cut for "What is my flat number?", and grafted, the model answers the recalled question ("A
-# haiku is..."). Measured as KV on two fresh draws of 200 probes of the model's own conversations
-# (bench_chat_recall.py, 2026-12-06; docs/guides/chat-memory.md): 89 -> 97 right (histories seed 488028631)
-# and 83 -> 89 (seed 370187567, drawn after the choice); quoted as text 97 -> 94 and 99 -> 100
-ON_TOPIC = True
-TOPIC_FIRST = True
-# what BM25 ranks for a question: "held", only the turns holding a content word of it (bm25s' longer stopword
-# list: not "what", "is", "my"), each scored on all its words ("my" still counts among them); "content", its
-# content words alone; "all", every turn on all its words. On all of them BM25 ranked first a turn sharing
-# only such words with the question ("What is a haiku?" for "What is my job?", "How do I remove a coffee
-# stain?" for "What car do I drive?": 21 of the 29 answers KV trailed the oracle by on the eighth draw were
-# such misses); held, a question sharing no content word with any turn is answered by the dense ranking
-# (MiniLM), which finds "I work as a librarian". Measured as KV on a fresh draw of 200 probes of the model's
-# own conversations (bench_chat_recall.py, 2026-12-07, histories seed 1722279555, AMD EPYC): the told value
-# recalled for 174 -> 191 questions, 123 -> 135 right (content 136; the fact alone 156); at ~100K tokens a
-# user (seed 1997234457): 48 -> 54 of 60 recalled, 40 -> 41 right (content 38: a docstring's "context
-# manager" outranked "My manager Astrid ..." without "my")
-LEXICALS = ("all", "content", "held")
-LEXICAL = "held"
-# a turn said after the best one, holding a word of the question the best holds, kept under the cut (an update
-# of it: "I changed my locker combination" after "My gym locker combination is ..."). Off: on the same draw
-# (with lexical "content") it found one more told value (192) and answered 10 fewer (126 against 136; 11 lost,
-# 1 gained): the later turns it added were mostly another fact sharing a word with the best ("favourite" of a
-# food for "What is my favourite colour?"), not an update
-NEWER = False
-# of kept turns holding the same content words of the question, only the newest (a correction stands for
-# what it corrects: "They reset the door code at work to 2213." for "The door code at work is 5446."). Off: a
-# fresh draw 147 -> 148 (draw 9 135 -> 143, ~100K 41 -> 42), and it drops a turn a later one adds to
-SUPERSEDE = False
 MAX_USER = 200
 
 
@@ -294,6 +252,8 @@ class ChatMemory:
         self.newer = NEWER
         # of kept turns holding the same words of the question, the newest alone (SUPERSEDE)
         self.supersede = SUPERSEDE
+        # the dense ranking's best turn kept too, room permitting (DENSE)
+        self.dense = DENSE
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
         # kvmemory/blend.py): the turns were computed behind the user's prelude, not after this
         # conversation; the tokens whose K/V deviate most are recomputed attending to it (RECOMPUTE)
@@ -411,19 +371,15 @@ class ChatMemory:
         kept = relevant(cands, k, self.min_relevance, held if self.cover else None)
         if self.on_topic and asked:       # after the best, only a turn holding a content word of the question
             kept = kept[:1] + [h for h in kept[1:] if held(h)]
-        if self.newer and kept and asked and held(kept[0]):
-            # a turn said after the best one, holding a word of the question it holds, under the cut: an
-            # update of it ("I changed my locker combination, it is 96273 now" after "My gym locker
-            # combination is 12359")
-            best, when = kept[0], self._when(live[kept[0].row][0])
-            for h in cands[1:k]:
-                if len(kept) < k and h not in kept and held(h) & held(best) and self._when(live[h.row][0]) > when:
-                    kept.append(h)
-        if self.supersede and asked:
-            last = {}                     # the newest kept turn for each set of the question's words held
-            for h in sorted(kept, key=lambda h: self._when(live[h.row][0])):
-                last[frozenset(held(h))] = h
-            kept = [h for h in kept if not held(h) or last[frozenset(held(h))] is h]
+        top = None
+        if self.dense and asked:          # the dense ranking's best turn (DENSE)
+            top = next(iter(rank_blocks(self.rt, docs, query, "dense", n=1,
+                                        doc_filter=(lambda d: not d.startswith(skip)) if skip else None)), None)
+        def asks(h):                      # the user's words of h's turn ask something (supersede)
+            entry = store.manifest.docs[live[h.row][0]]
+            return "?" in said(self._turn(entry.rows, json.loads(entry.source))[0])
+        kept = refine(kept, cands, k, held, lambda h: live[h.row][0], lambda h: self._when(live[h.row][0]),
+                      self.newer and bool(asked), self.supersede and bool(asked), top, asks)
         for h in kept:
             doc_id, score = live[h.row][0], h.score
             entry = store.manifest.docs[doc_id]
@@ -443,10 +399,10 @@ class ChatMemory:
         dec = self.rt.tokenizer.decode
         if "spans" not in meta:
             return dec(ids, skip_special_tokens=True), ()
-        said = [dec(ids[a:b]) for a, b in meta["spans"]]
-        msgs = tuple({"role": r, "content": w} for r, w in zip(("user", "assistant"), said))
-        keep, reply = ("user", "") if len(said) == 1 else ("exchange", said[1])
-        return turn_text(keep, _day(meta["time"]), said[0], reply), msgs
+        words = [dec(ids[a:b]) for a, b in meta["spans"]]
+        msgs = tuple({"role": r, "content": w} for r, w in zip(("user", "assistant"), words))
+        keep, reply = ("user", "") if len(words) == 1 else ("exchange", words[1])
+        return turn_text(keep, _day(meta["time"]), words[0], reply), msgs
 
     def reply(self, messages: list[dict], session: str | None = None, max_new_tokens: int = 64, as_: str = "kv",
               k: int = 3, remember: bool = True):

@@ -84,6 +84,8 @@ def test_bench_chat_memory_condition_names():
     assert bcm.tuned("text-open-allwords-nonewer") == ("text", {"place": "message", "lexical": "all", "newer": False})
     assert bcm.tuned("kv-newer-content") is None
     assert bcm.tuned("kv-supersede-guard") == ("kv", {"supersede": True, "guard": True})
+    assert bcm.tuned("kv-supersede-dense-guard") == ("kv", {"supersede": True, "dense": True, "guard": True})
+    assert bcm.tuned("text-nodense") == ("text", {"dense": False}) and bcm.tuned("kv-dense-supersede") is None
     assert bcm.tuned("text-newer-nosupersede") == ("text", {"newer": True, "supersede": False})
     assert bcm.tuned("kv-supersede-newer") is None
     assert bcm.tuned("kv-nofirst-open-guard") == ("kv", {"topic_first": False, "place": "message", "guard": True})

@@ -89,6 +89,17 @@ def test_embedder_refuses_to_truncate_and_is_reproducible():
     v1 = e.embed([text])[0]
     v2 = e.embed([text + " zebra giraffe elephant " * 30])[0]
     assert not np.allclose(v1, v2)
+    # a text embedded alone again (a query ranked twice) is the same floats, computed once; a caller's
+    # change to what it got back changes nothing kept
+    q = "What do I do for a living?"
+    first = e.embed([q])
+    first[0, 0] += 1.0
+    calls = []
+    forward = e.model.forward
+    e.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    again = e.embed([q])
+    assert calls == [] and np.array_equal(again, TextEmbedder().embed([q]))
+    assert np.array_equal(e.embed([q, "another"])[0], again[0]) and len(calls) == 2
 
 
 def test_a_word_split_by_the_block_boundary_is_whole_in_the_next_blocks_first_window():
