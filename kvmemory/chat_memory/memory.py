@@ -375,23 +375,35 @@ class ChatMemory:
         if self.dense and asked:          # the dense ranking's best turn (DENSE)
             top = next(iter(rank_blocks(self.rt, docs, query, "dense", n=1,
                                         doc_filter=(lambda d: not d.startswith(skip)) if skip else None)), None)
+
+        metas: dict[str, dict] = {}
+        texts: dict[str, tuple[str, tuple[dict, ...]]] = {}
+
+        def meta_of(doc_id):              # each turn's manifest record parsed once, its text decoded once
+            if doc_id not in metas:
+                metas[doc_id] = json.loads(store.manifest.docs[doc_id].source)
+            return metas[doc_id]
+
+        def text_of(doc_id):
+            if doc_id not in texts:
+                texts[doc_id] = self._turn(store.manifest.docs[doc_id].rows, meta_of(doc_id))
+            return texts[doc_id]
+
+        def when(h):
+            meta = meta_of(live[h.row][0])
+            return meta["time"], meta["turn"]
+
         def asks(h):                      # the user's words of h's turn ask something (supersede)
-            entry = store.manifest.docs[live[h.row][0]]
-            return "?" in said(self._turn(entry.rows, json.loads(entry.source))[0])
-        kept = refine(kept, cands, k, held, lambda h: live[h.row][0], lambda h: self._when(live[h.row][0]),
-                      self.newer and bool(asked), self.supersede and bool(asked), top, asks)
+            return "?" in said(text_of(live[h.row][0])[0])
+        kept = refine(kept, cands, k, held, lambda h: live[h.row][0], when, self.newer and bool(asked),
+                      self.supersede and bool(asked), top, asks)
         for h in kept:
-            doc_id, score = live[h.row][0], h.score
-            entry = store.manifest.docs[doc_id]
-            meta = json.loads(entry.source)
-            text, msgs = self._turn(entry.rows, meta)
-            out.append(Recall(doc_id, meta["session"], meta["turn"], meta["time"], score, tuple(entry.rows),
+            doc_id = live[h.row][0]
+            entry, meta = store.manifest.docs[doc_id], meta_of(doc_id)
+            text, msgs = text_of(doc_id)
+            out.append(Recall(doc_id, meta["session"], meta["turn"], meta["time"], h.score, tuple(entry.rows),
                               entry.n_tokens, text, msgs))
         return sorted(out, key=lambda r: (r.time, r.turn))
-
-    def _when(self, doc_id: str) -> tuple[float, int]:
-        meta = json.loads(self.rt.store().manifest.docs[doc_id].source)
-        return meta["time"], meta["turn"]
 
     def _turn(self, rows, meta: dict) -> tuple[str, tuple[dict, ...]]:
         """A kept turn's prose text and (a messages-layout turn) its chat messages, from its tokens."""
