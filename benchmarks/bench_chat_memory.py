@@ -48,6 +48,8 @@ Side by side on the same questions (one run, one machine):
     -nosupersede  newest alone (a correction stands for what it corrects), or not (ChatMemory.supersede)
     -dense     after -supersede / -nosupersede: the dense ranking's best turn kept too, room permitting,
     -nodense   or not (ChatMemory.dense), e.g. kv-supersede-dense
+    -additive  after -dense / -nodense: with supersede, a statement adding to what was told ("I also speak
+    -noadditive  German") kept beside it, or not (ChatMemory.additive), e.g. kv-supersede-noadditive
     full       the whole history as text, where it fits the window
     oracle     only the evidence exchanges, quoted as text (the model's ceiling)
 
@@ -283,8 +285,9 @@ KV_VARIANTS = {"kv-end": (False, "<|im_end|>\n"), "kv-head": (True, "<|im_end|>\
 # then -cover / -nocover), and both: kv-rF-cutF; then -rel / -time (ChatMemory.order), -topic / -notopic
 # (ChatMemory.on_topic), -first / -nofirst (ChatMemory.topic_first), -open (ChatMemory.place "message" or "after"),
 # -content / -allwords (ChatMemory.lexical), -newer / -nonewer (ChatMemory.newer), -supersede / -nosupersede
-# (ChatMemory.supersede), -dense / -nodense (ChatMemory.dense); -guard / -noguard last (ChatMemory.guard)
-TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-guard|-noguard)?")
+# (ChatMemory.supersede), -dense / -nodense (ChatMemory.dense), -additive / -noadditive (ChatMemory.additive);
+# -guard / -noguard last (ChatMemory.guard)
+TUNED = re.compile(r"(kv|text)(?:-r([0-9]*\.?[0-9]+))?(?:-cut([0-9]*\.?[0-9]+)(-cover|-nocover)?)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-additive|-noadditive)?(-guard|-noguard)?")
 FRACTIONS = ("recompute", "min_relevance")
 # TUNED's suffix groups -> (the ChatMemory attribute each sets, its value for each suffix)
 SUFFIXES = {4: ("cover", {"-cover": True, "-nocover": False}), 5: ("order", {"-rel": "relevance", "-time": "time"}),
@@ -292,7 +295,7 @@ SUFFIXES = {4: ("cover", {"-cover": True, "-nocover": False}), 5: ("order", {"-r
             8: ("place", {"-open": "message", "-after": "after"}), 9: ("lexical", {"-content": "content", "-held": "held", "-allwords": "all"}),
             10: ("newer", {"-newer": True, "-nonewer": False}),
             11: ("supersede", {"-supersede": True, "-nosupersede": False}), 12: ("dense", {"-dense": True, "-nodense": False}),
-            13: ("guard", {"-guard": True, "-noguard": False})}
+            13: ("additive", {"-additive": True, "-noadditive": False}), 14: ("guard", {"-guard": True, "-noguard": False})}
 
 
 def tuned(c: str) -> tuple[str, dict] | None:
@@ -301,7 +304,7 @@ def tuned(c: str) -> tuple[str, dict] | None:
         head, foot = KV_VARIANTS[c]
         return "kv", {"graft_head": head, "foot_text": foot}
     m = TUNED.fullmatch(c)
-    if (m is None or not any(m.group(i) for i in (2, 3, *range(5, 14)))
+    if (m is None or not any(m.group(i) for i in (2, 3, *range(5, 15)))
             or (m.group(2) and m.group(1) != "kv")):     # -rF: KV's alone
         return None
     settings = {"recompute": float(m.group(2))} if m.group(2) else {}

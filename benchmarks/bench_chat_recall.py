@@ -4,7 +4,8 @@ closed and reopened, and the user asks for the fact in a new session, in another
 
 Every assistant turn is the model's reply through ChatMemory.reply, the path users take. Facts come
 in many phrasings: asked to be remembered, said in passing, corrected in a later session (the latest
-value is right, the old one wrong). Distractor sessions (small talk, the model replying) sit between,
+value is right, the old one wrong), added to in a later session ("I also speak German": every value
+right; --change, --kinds). Distractor sessions (small talk, the model replying) sit between,
 and scripted sessions can pad a user's history to --history-tokens (the user pastes a paragraph of
 real prose, a standard-library docstring, and asks about it; deposited with remember(), no
 generation). --memories chooses what the histories are kept in (the first replies while they are
@@ -47,7 +48,9 @@ ranking only the turns holding a content word of it; or all its words, every tur
 -newer / -nonewer (a turn said after the most relevant one, holding a word of the question it holds, is kept
 under the cut as its update, or not: ChatMemory.newer), -supersede / -nosupersede (of the kept turns holding the
 same words of the question, the newest alone, or not: ChatMemory.supersede), -dense / -nodense (the dense
-ranking's best turn kept too, room permitting, or not: ChatMemory.dense), e.g. kv-user-system-r0.6,
+ranking's best turn kept too, room permitting, or not: ChatMemory.dense), -additive / -noadditive (with
+supersede, a statement adding to what was told, "I also speak German", kept beside it, or not: ChatMemory.additive),
+e.g. kv-user-system-r0.6,
 kv-user-cut0.75-nocover.
 --store DIR keeps the histories (the store and the probes) and reuses them: the conditions of several runs
 are then paired on the same conversations.
@@ -93,6 +96,7 @@ JOBS = ["nurse", "carpenter", "librarian", "pilot", "baker", "chemist", "archite
 COLOURS = ["teal", "amber", "violet", "crimson", "olive", "indigo", "coral", "ochre"]
 FOODS = ["risotto", "dumplings", "paella", "lasagne", "falafel", "ramen", "goulash", "pierogi"]
 MONTHS = ["January", "March", "April", "June", "August", "September", "October", "December"]
+LANGUAGES = ["French", "German", "Spanish", "Italian", "Polish", "Dutch", "Greek", "Turkish", "Swedish"]
 INSTRUMENTS = ["cello", "banjo", "clarinet", "harp", "trumpet", "accordion", "oboe", "ukulele"]
 
 
@@ -140,8 +144,24 @@ FACTS = {
                 ["Please remember that I am allergic to {v}."], [], ["What am I allergic to?"]),
     "team": (lambda r: r.choice(["Ajax", "Benfica", "Celtic", "Porto", "Lazio", "Sevilla"]),
              ["I support {v}, they won last night!"], [], ["Which football team do I support?"]),
+    "language": (lambda r: r.choice(LANGUAGES), ["I speak {v}.", "I grew up speaking {v} at home."], [],
+                 ["Which language do I speak?", "What language can I speak?"]),
     "pin": (lambda r: number(r, 4), ["The door code at work is {v}."], ["They reset the door code at work to {v}."],
             ["What is the door code at work?"]),
+}
+# kinds a later statement adds to, both values then right: kind: ([ways to add], [ways to ask for all]); of the
+# ways to add, one a kind says it without the words English adds with ("also", "too", "another": rules.ADDING)
+ADDS = {
+    "language": (["I also speak {v}.", "I can speak {v} as well.", "Last year I became fluent in {v}."],
+                 ["Which languages do I speak?", "What languages can I speak?"]),
+    "allergy": (["I found out I am also allergic to {v}.", "Turns out I'm allergic to {v} too.",
+                 "Add {v} to the list of things I'm allergic to."], ["What am I allergic to?", "What are my allergies?"]),
+    "instrument": (["I play the {v} too.", "I have also started playing the {v}.", "My new hobby: I play the {v} on Sundays."],
+                   ["Which instruments do I play?"]),
+    "dog": (["We adopted a second dog, {v}.", "Our other dog is called {v}.", "My dog {v} is the younger one."],
+            ["What are my dogs called?", "What are the names of my dogs?"]),
+    "team": (["I also support {v}.", "{v} is my second team.", "I follow {v} in the cup games."],
+             ["Which football teams do I support?"]),
 }
 SMALL_TALK = ["Can you suggest a quick breakfast?", "How do I keep basil alive indoors?", "Tell me a fun fact about "
               "octopuses.", "Any tips for sleeping better?", "What is a haiku?", "Recommend a board game for two.",
@@ -185,26 +205,50 @@ def repeats(answer: str, texts: list[str]) -> bool:
     return any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in texts)
 
 
-def make_probes(rng: random.Random, n: int) -> list[dict]:
-    """n facts of distinct kinds for one user: how each is told (and maybe corrected) and asked."""
+def make_probes(rng: random.Random, n: int, kinds=None, change: float = 0.35) -> list[dict]:
+    """n facts of distinct kinds (of `kinds`, default all) for one user: how each is told and asked, and, with
+    probability `change`, corrected later (a kind with corrections) or added to (a kind in ADDS)."""
     out = []
-    for kind in rng.sample(sorted(FACTS), min(n, len(FACTS))):
+    pool = sorted(kinds or FACTS)
+    for kind in rng.sample(pool, min(n, len(pool))):
         draw, tells, fixes, asks = FACTS[kind]
         v, how = draw(rng), rng.choice(tells)
         p = {"kind": kind, "value": v, "phrasing": how, "tell": how.format(v=v), "ask": rng.choice(asks), "old": None}
-        if fixes and rng.random() < 0.35:
+        if (fixes or kind in ADDS) and rng.random() < change:
             v2 = draw(rng)
             while v2 == v:
                 v2 = draw(rng)
-            fix = rng.choice(fixes)
-            p.update(old=v, value=v2, fix=fix.format(v=v2), fix_phrasing=fix)
+            if fixes:
+                fix = rng.choice(fixes)
+                p.update(old=v, value=v2, fix=fix.format(v=v2), fix_phrasing=fix)
+            else:
+                ways, asks_all = ADDS[kind]
+                add = rng.choice(ways)
+                p.update(also=v2, add=add.format(v=v2), add_phrasing=add, ask=rng.choice(asks_all))
         out.append(p)
     return out
 
 
+def shape(p: dict) -> str:
+    """How a probe's fact was told: once, corrected later, or added to later."""
+    return "corrected" if p["old"] is not None else "added" if p.get("also") else "told"
+
+
+def told_text(p: dict) -> str:
+    """The fact as the user last told it (the oracle's text): the correction, or the telling and the addition."""
+    if p.get("also"):
+        return f"{p['tell']} {p['add']}"
+    return p.get("fix") or p["tell"]
+
+
+def values(p: dict) -> list[str]:
+    return [p["value"]] + ([p["also"]] if p.get("also") else [])
+
+
 def right(p: dict, answer: str) -> bool:
+    """Every value the user told (an added one too) in the answer, the corrected one not."""
     a = answer.casefold()
-    return p["value"].casefold() in a and (p["old"] is None or p["old"].casefold() not in a)
+    return all(v.casefold() in a for v in values(p)) and (p["old"] is None or p["old"].casefold() not in a)
 
 
 # the memories a user's history is deposited in: (name suffix, keep, layout)
@@ -215,13 +259,13 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-additive|-noadditive)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
                          "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after][-content|-held|-allwords]"
-                         f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+                         f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense][-additive|-noadditive] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,
@@ -234,13 +278,14 @@ def condition(c: str) -> dict:
             "lexical": {"-content": "content", "-held": "held", "-allwords": "all"}.get(m.group(17)),
             "newer": {"-newer": True, "-nonewer": False}.get(m.group(18)),
             "supersede": {"-supersede": True, "-nosupersede": False}.get(m.group(19)),
-            "dense": {"-dense": True, "-nodense": False}.get(m.group(20))}
+            "dense": {"-dense": True, "-nodense": False}.get(m.group(20)),
+            "additive": {"-additive": True, "-noadditive": False}.get(m.group(21))}
 
 
 # condition keys -> the ChatMemory attribute each sets for one reply (None in a condition: the default's)
 SETS = (("guard", "guard"), ("cut", "min_relevance"), ("cover", "cover"), ("order", "order"), ("topic", "on_topic"),
         ("first", "topic_first"), ("lexical", "lexical"), ("newer", "newer"),
-        ("supersede", "supersede"), ("dense", "dense"))
+        ("supersede", "supersede"), ("dense", "dense"), ("additive", "additive"))
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:
@@ -261,11 +306,12 @@ def history(rng, mem, name: str, probes: list[dict], args, bar, pad_text=()) -> 
     cms = {k: mem.chat_memory(name + MEMORIES[k][0], keep=MEMORIES[k][1], layout=MEMORIES[k][2])
            for k in args.memories.split(",")}
     replies, s = [], 0
-    events = [("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
+    events = ([("tell", p) for p in probes] + [("fix", p) for p in probes if p["old"] is not None]
+              + [("add", p) for p in probes if p.get("also")])
     rng.shuffle(events)
-    events.sort(key=lambda e: e[0] == "fix")          # every correction after every first telling
+    events.sort(key=lambda e: e[0] != "tell")         # every correction and addition after every first telling
     for what, p in events:
-        replies.append(told(cms, f"s{s}", p["tell"] if what == "tell" else p["fix"], args.reply_tokens))
+        replies.append(told(cms, f"s{s}", p[what], args.reply_tokens))
         s += 1
         for _ in range(args.distractors):
             replies.append(told(cms, f"s{s}", rng.choice(SMALL_TALK), args.reply_tokens))
@@ -297,11 +343,11 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     if base == "oracle" and cond["place"] == "message":      # as a recalled turn opening the message reads
         from kvmemory.chat_memory.turns import turn_text
         day = time.strftime("%Y-%m-%d", time.gmtime())
-        msgs = [{"role": "user", "content": turn_text("user", day, p.get("fix") or p["tell"], "") + p["ask"]}]
+        msgs = [{"role": "user", "content": turn_text("user", day, told_text(p), "") + p["ask"]}]
         base = "none"
     elif base == "oracle":
         msgs = [{"role": "system", "content": "What this user said in earlier conversations:\n"
-                 + (p.get("fix") or p["tell"])}] + msgs
+                 + told_text(p)}] + msgs
         base = "none"
     # (cm is this question's own object: mem.chat_memory makes a new one a call)
     if cond["end"] or cond["head"]:
@@ -324,7 +370,7 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
         window.QUOTE_END = ""
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
     if cond["base"] == "oracle":
-        shown = [p.get("fix") or p["tell"]]
+        shown = [told_text(p)]
     ok = right(p, text)
     stale = is_stale(p, text, ok)
     return {"answer": text, "right": ok, "continues": continues_prose(text, shown, ok, stale), "stale": stale,
@@ -332,7 +378,7 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
             "continues_v1": continues_v1(text, replies),
             "ttft_s": st["ttft_s"], "restored": st.get("tokens_restored", 0), "recalled": len(st.get("recalled", [])),
             "recalled_tokens": sum(r["tokens"] for r in st.get("recalled", [])),
-            "found": any(p["value"] in r["text"] for r in st.get("recalled", []))}
+            "found": all(any(v in r["text"] for r in st.get("recalled", [])) for v in values(p))}
 
 
 def _messages(turn: str) -> list[dict]:
@@ -355,8 +401,10 @@ def histories(args, seed: int) -> tuple[Path, dict]:
         print(f"reusing the histories in {root} (seed {got['seed']})", file=sys.stderr)
         return path, got
     rng = random.Random(seed)
-    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts) for i in range(args.users)}
-    bar = _bar(sum(len(p) + sum(x["old"] is not None for x in p) for p in users.values()), "conversations")
+    kinds = args.kinds.split(",") if args.kinds else None
+    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts, kinds, args.change)
+             for i in range(args.users)}
+    bar = _bar(sum(len(p) + sum(shape(x) != "told" for x in p) for p in users.values()), "conversations")
     replies: dict[str, list[str]] = {}
     tokens: dict[str, int] = {}
     t0 = time.perf_counter()
@@ -407,7 +455,8 @@ def run(args, seed: int) -> dict:
             forgotten += undo_questions(mem, [name], kept)
     if bar is not None:
         bar.close()
-    return {"users": len(users), "probes": len(rows), "question_states_removed": forgotten, "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}),
+    return {"users": len(users), "probes": len(rows), "question_states_removed": forgotten, "histories_seed": h["seed"], "phrasings": len({r["phrasing"] for r in rows} | {r["fix_phrasing"] for r in rows if r["old"]}
+                                                                                                  | {r["add_phrasing"] for r in rows if r.get("also")}),
             "history_tokens_per_user": statistics.mean(tokens.values()), "history_s": history_s,
             "replies": {n: r[:40] for n, r in replies.items()}, "rows": rows, "summary": summarize(rows, conds)}
 
@@ -437,7 +486,10 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "continues_v2": sum(r[c].get("continues_v2", r[c]["continues"]) for r in rows) / n,
                   "stale": sum(r[c].get("stale", False) for r in rows) / n,
                   "ttft_median_s": statistics.median(r[c]["ttft_s"] for r in rows),
-                  "evidence_recalled": sum(r[c]["found"] for r in rows) / n}
+                  "evidence_recalled": sum(r[c]["found"] for r in rows) / n,
+                  # for each way a fact was told: [right, probes, every value recalled]
+                  "shapes": {sh: [sum(r[c]["right"] for r in rows if shape(r) == sh), sum(shape(r) == sh for r in rows),
+                                  sum(r[c]["found"] for r in rows if shape(r) == sh)] for sh in ("told", "corrected", "added")}}
     for kv in conds:                                  # each kv condition against quoting the same turns
         cond = condition(kv)
         if cond["base"] != "kv":
@@ -475,14 +527,15 @@ def _bar(total: int, desc: str):
 
 def table(res: dict) -> str:
     lines = ["| condition | right | accuracy (Wilson 95%) | continues prose (opens as memory) | stale (judge before) "
-             "| evidence recalled | median TTFT |", "|---|---|---|---|---|---|---|"]
+             "| evidence recalled | median TTFT | told once / corrected / added |", "|---|---|---|---|---|---|---|---|"]
     for c, s in res["summary"].items():
         if c.startswith("paired_"):
             continue
         lo, hi = s["wilson95"]
         lines.append(f"| {c} | {s['right']}/{s['n']} | {s['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | {s['continues']:.1%} "
                      f"({s['opens_as_memory']:.1%}) | {s.get('stale', 0):.1%} ({s.get('continues_v2', s['continues']):.1%}) "
-                     f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s |")
+                     f"| {s['evidence_recalled']:.1%} | {s['ttft_median_s']:.3f} s | "
+                     + " / ".join(f"{x[0]}/{x[1]}" for x in s.get("shapes", {}).values()) + " |")
     for c, p in res["summary"].items():
         if c.startswith("paired_"):
             lines.append(f"\npaired, {c[7:]} against {p['against']}: {c[7:]} alone right {p['kv_only']}, "
@@ -495,6 +548,11 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=10)
     ap.add_argument("--facts", type=int, default=20, help=f"facts a user tells (at most {len(FACTS)} kinds)")
     ap.add_argument("--distractors", type=int, default=1, help="small-talk sessions after each telling")
+    ap.add_argument("--kinds", default=None, metavar="K,K",
+                    help=f"the kinds of fact drawn (default all: {', '.join(sorted(FACTS))})")
+    ap.add_argument("--change", type=float, default=0.35,
+                    help="the chance a fact is corrected later (a kind with corrections) or added to (a kind with "
+                         f"additions: {', '.join(ADDS)})")
     ap.add_argument("--history-tokens", type=int, default=0,
                     help="pad each user's history to this many tokens with scripted sessions (the user "
                          "pastes a paragraph of real prose and asks about it)")
@@ -515,6 +573,10 @@ def main() -> int:
     if args.rejudge:
         print(table(rejudge(json.loads(Path(args.rejudge).read_text()))))
         return 0
+    if args.kinds and (bad := [k for k in args.kinds.split(",") if k not in FACTS]):
+        ap.error(f"--kinds: {', '.join(bad)} not among {', '.join(sorted(FACTS))}")
+    if not 0.0 <= args.change <= 1.0:
+        ap.error(f"--change is a chance in [0, 1], got {args.change}")
     seed = seed_of(args)
     res = run(args, seed)
     print(table(res))

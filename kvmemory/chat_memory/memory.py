@@ -28,8 +28,8 @@ import xxhash
 from jinja2.exceptions import TemplateError
 
 from kvmemory import prompts
-from kvmemory.chat_memory.rules import (COVER, DENSE, LEXICAL, LEXICALS, MIN_RELEVANCE, NEWER, ON_TOPIC, ORDER,  # noqa: F401
-                                        SUPERSEDE, TOPIC_FIRST, refine)
+from kvmemory.chat_memory.rules import (ADDITIVE, COVER, DENSE, LEXICAL, LEXICALS, MIN_RELEVANCE, NEWER,  # noqa: F401
+                                        ON_TOPIC, ORDER, SUPERSEDE, TOPIC_FIRST, adds, refine)
 from kvmemory.chat_memory.turns import KEEPS, said, turn_text
 from kvmemory.documents import Scopes
 from kvmemory.errors import InputError
@@ -252,6 +252,8 @@ class ChatMemory:
         self.newer = NEWER
         # of kept turns holding the same words of the question, the newest alone (SUPERSEDE)
         self.supersede = SUPERSEDE
+        # with supersede, a statement adding to what was told ("I also speak German") kept beside it (ADDITIVE)
+        self.additive = ADDITIVE
         # the dense ranking's best turn kept too, room permitting (DENSE)
         self.dense = DENSE
         # the fraction of the grafted turns' tokens recomputed in the window (CacheBlend-style,
@@ -395,8 +397,11 @@ class ChatMemory:
 
         def asks(h):                      # the user's words of h's turn ask something (supersede)
             return "?" in said(text_of(live[h.row][0])[0])
+
+        def added(h):                     # the user's words of h's turn add to what was told (additive)
+            return adds(said(text_of(live[h.row][0])[0]))
         kept = refine(kept, cands, k, held, lambda h: live[h.row][0], when, self.newer and bool(asked),
-                      self.supersede and bool(asked), top, asks)
+                      self.supersede and bool(asked), top, asks, added if self.additive else None)
         for h in kept:
             doc_id = live[h.row][0]
             entry, meta = store.manifest.docs[doc_id], meta_of(doc_id)

@@ -22,6 +22,9 @@ def test_the_judge():
     assert b.right(p, "Your combination is 52917.") and not b.right(p, "I don't know.")
     fixed = {"value": "Oslo", "old": "Bergen"}
     assert b.right(fixed, "You live in Oslo now.") and not b.right(fixed, "Bergen, then Oslo.")
+    added = {"value": "French", "old": None, "also": "German"}          # "I speak French." then "I also speak German."
+    assert b.right(added, "You speak French and German.") and not b.right(added, "You speak German.")
+    assert b.shape(added) == "added" and b.shape(fixed) == "corrected" and b.shape(p) == "told"
     habit = "I'm sorry for any confusion, but as a chatbot I cannot"
     assert b.continues_prose("You replied: I'm sorry", [], False)
     assert b.continues_prose("On 2026-12-04, the user said: my code", [], True)      # the form, right or not
@@ -53,9 +56,24 @@ def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
     probes = b.make_probes(random.Random(3), 20)
     assert len({p["kind"] for p in probes}) == 20 == len(probes)
     for p in probes:
-        assert p["value"] in (p.get("fix") or p["tell"]) and "?" in p["ask"]
+        assert all(v in b.told_text(p) for v in b.values(p)) and "?" in p["ask"]
         if p["old"] is not None:
-            assert p["old"] in p["tell"] and p["value"] != p["old"]
+            assert p["old"] in p["tell"] and p["value"] != p["old"] and not p.get("also")
+
+
+def test_probes_added_to_every_value_asked_for():
+    """--kinds draws only those kinds; --change 1 corrects every kind with corrections and adds to every kind
+    in ADDS (the question then asks for all: "Which languages do I speak?"); --change 0 neither."""
+    kinds = ["language", "allergy", "locker", "colour"]
+    probes = b.make_probes(random.Random(4), 10, kinds, 1.0)
+    assert sorted(p["kind"] for p in probes) == sorted(kinds)
+    by = {p["kind"]: p for p in probes}
+    assert b.shape(by["locker"]) == "corrected" and b.shape(by["colour"]) == "told"
+    for kind in ("language", "allergy"):
+        p = by[kind]
+        assert b.shape(p) == "added" and p["also"] != p["value"] and p["also"] in p["add"]
+        assert p["ask"] in b.ADDS[kind][1] and b.told_text(p) == f"{p['tell']} {p['add']}"
+    assert all(b.shape(p) == "told" for p in b.make_probes(random.Random(4), 10, kinds, 0.0))
 
 
 def test_condition_names():
@@ -64,12 +82,12 @@ def test_condition_names():
                                                    "nl": False, "k": None, "cut": None, "cover": None,
                                                    "order": None, "topic": None, "first": None, "place": None,
                                                    "lexical": None, "newer": None, "supersede": None,
-                                                   "dense": None}
+                                                   "dense": None, "additive": None}
     assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
                                                  "recompute": None, "guard": True, "inline": False, "nl": False,
                                                  "k": None, "cut": None, "cover": None, "order": None,
                                                  "topic": None, "first": None, "place": None, "lexical": None,
-                                                 "newer": None, "supersede": None, "dense": None}
+                                                 "newer": None, "supersede": None, "dense": None, "additive": None}
     assert b.condition("kv-user-r0.0-cut0.75") == {**b.condition("kv-user-r0.0"), "cut": 0.75}
     assert b.condition("text-user-k1")["k"] == 1 and b.condition("kv-user-cut0")["cut"] == 0.0
     assert b.condition("kv-user-cut0.75-cover")["cover"] is True and b.condition("kv-user-cut0.75-nocover")["cover"] is False
@@ -84,13 +102,16 @@ def test_condition_names():
     assert b.condition("kv-user-newer-supersede")["supersede"] is True
     assert b.condition("text-user-nosupersede")["supersede"] is False
     assert b.condition("kv-user-supersede-dense")["dense"] is True and b.condition("text-user-nodense")["dense"] is False
+    assert b.condition("kv-user-dense-additive")["additive"] is True
+    assert b.condition("text-user-supersede-noadditive")["additive"] is False
     assert b.condition("kv-user-noguard")["guard"] is False and b.condition("kv-user-r0-guard")["guard"] is True
     assert b.condition("kv-user-system-r1.0-inline")["inline"] and b.condition("text-user-nl")["nl"]
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
     assert b.condition("text-exchange")["memory"] == "exchange" and b.condition("oracle")["base"] == "oracle"
     assert b.condition("kv-user-messages-r0.3")["memory"] == "user-messages"
     for bad in ("kv-user-sideways", "kv-exchange-messages", "kv-user-cut1.5", "kv-user-k0", "kv-user-cover-cut0.5", "kv-user-rel-cover", "kv-user-topic-rel",
-                "kv-user-first-topic", "kv-user-newer-content", "kv-user-supersede-newer", "kv-user-dense-supersede"):
+                "kv-user-first-topic", "kv-user-newer-content", "kv-user-supersede-newer", "kv-user-dense-supersede",
+                "kv-user-additive-dense"):
         with pytest.raises(SystemExit):
             b.condition(bad)
 
@@ -146,3 +167,7 @@ def test_long_histories_kept_in_one_memory(tmp_path):
     r = subprocess.run(cmd[:-4] + ["--store", str(tmp_path / "new"), "--memories", "user,nope"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode != 0 and "--memories" in r.stderr and not (tmp_path / "new").exists()
+    for bad, said in ((["--kinds", "locker,nope"], "--kinds: nope"), (["--change", "1.5"], "--change")):
+        r = subprocess.run(cmd[:-4] + ["--store", str(tmp_path / "new")] + bad, cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode != 0 and said in r.stderr and not (tmp_path / "new").exists()

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import kvmemory
-from kvmemory.chat_memory.memory import (COVER, DENSE, LEXICAL, MIN_RELEVANCE, NEWER, ON_TOPIC, PLACE,
+from kvmemory.chat_memory.memory import (ADDITIVE, COVER, DENSE, LEXICAL, MIN_RELEVANCE, NEWER, ON_TOPIC, PLACE,
                                         RECOMPUTE, SUPERSEDE, TOPIC_FIRST)
+from kvmemory.chat_memory.rules import adds
 from kvmemory.store import BlockStore
 
 
@@ -210,6 +211,39 @@ def test_supersede_of_turns_holding_the_same_words_of_the_question_the_newest_al
                  ("Is the door code at work still the same?", "s3", 250)], 300)
     carol.min_relevance = 0.0
     assert "s1" in {h.session for h in carol.recall(q, k=3)}
+
+
+def test_additive_a_statement_adding_to_what_was_told_kept_beside_it(mem):
+    """ChatMemory.additive: under supersede, "I also speak German" adds to "I speak French" (it holds one of
+    rules.ADDING's words), so both are kept; a later statement that does not add stands for them all again.
+    Without additive the adding statement stands for the first, as a correction would."""
+    alice = mem.chat_memory("alice")
+    told(alice, [("I speak French.", "s1", 100), ("I also speak German.", "s2", 200)], 300)
+    q = "Which languages do I speak?"
+    alice.min_relevance = 0.0
+    assert alice.supersede is SUPERSEDE is True and alice.additive is ADDITIVE
+    alice.additive = True
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s2"]
+    alice.additive = False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s2"]
+    alice.additive, alice.supersede = True, False
+    assert [h.session for h in alice.recall(q, k=3)] == ["s1", "s2"]
+    bob = mem.chat_memory("bob")                    # a statement that does not add, after both: it alone
+    told(bob, [("I speak French.", "s1", 100), ("I can speak German as well.", "s2", 200),
+               ("These days I speak only Spanish.", "s3", 250)], 300)
+    bob.min_relevance, bob.additive = 0.0, True
+    assert [h.session for h in bob.recall(q, k=3)] == ["s3"]
+
+
+def test_adds_the_words_english_adds_with():
+    """rules.adds: whole words of rules.ADDING, any case; not inside other words; a statement adding without
+    them is not seen (a limit, docs/guides/chat-memory.md)."""
+    for words in ("I also speak German.", "I can speak Greek as well.", "Too: kiwi.", "We adopted a second dog.",
+                  "Our other dog is Mango.", "I have another sister.", "I like both."):
+        assert adds(words), words
+    for words in ("I changed my locker combination, it is 66211 now.", "My toolbox is blue.", "My brother Nils.",
+                  "They reset the door code at work to 2213.", "Last year I became fluent in Greek."):
+        assert not adds(words), words
 
 
 def test_dense_the_dense_rankings_best_turn_kept_too(mem):

@@ -88,6 +88,8 @@ def test_bench_chat_memory_condition_names():
     assert bcm.tuned("text-nodense") == ("text", {"dense": False}) and bcm.tuned("kv-dense-supersede") is None
     assert bcm.tuned("text-newer-nosupersede") == ("text", {"newer": True, "supersede": False})
     assert bcm.tuned("kv-supersede-newer") is None
+    assert bcm.tuned("kv-supersede-noadditive-guard") == ("kv", {"supersede": True, "additive": False, "guard": True})
+    assert bcm.tuned("text-additive") == ("text", {"additive": True}) and bcm.tuned("kv-additive-dense") is None
     assert bcm.tuned("kv-nofirst-open-guard") == ("kv", {"topic_first": False, "place": "message", "guard": True})
     assert bcm.tuned("kv-open-first") is None and bcm.tuned("text-after") == ("text", {"place": "after"})
     assert bcm.tuned("kv") is None and bcm.tuned("kv-guard-r0") is None and bcm.tuned("text-r0-guard") is None

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.bounds import FULL
+
 SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "compact", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve",
                "keys"]
 
@@ -137,7 +139,10 @@ def test_bad_input_files(tmp_path, tiny_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.skipif(not FULL, reason="make test's wheel-check runs the demo from the installed wheel (it exits 1 on "
+                    "any restored state not bit-exact); here under KVMEMORY_FULL_TESTS=1")
 def test_demo_runs_and_reports_bit_exact(tmp_path, default_dir):
+    """The whole demo (~1.5 to 3 minutes on 2 cores): in the bounded run `make test`'s wheel-check runs it."""
     r = run("demo", "--store", tmp_path / "demo.kvm")
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     out = r.stdout.decode()
