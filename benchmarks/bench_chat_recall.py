@@ -163,6 +163,7 @@ ADDS = {
     "team": (["I also support {v}.", "{v} is my second team.", "I follow {v} in the cup games."],
              ["Which football teams do I support?"]),
 }
+NEW_KINDS = ("language",)           # kinds added with ADDS (2026-12-07); --no-additions draws without them
 SMALL_TALK = ["Can you suggest a quick breakfast?", "How do I keep basil alive indoors?", "Tell me a fun fact about "
               "octopuses.", "Any tips for sleeping better?", "What is a haiku?", "Recommend a board game for two.",
               "Why is the sky blue?", "How long should I boil an egg?", "What should I pack for a day hike?",
@@ -205,16 +206,17 @@ def repeats(answer: str, texts: list[str]) -> bool:
     return any(len(r.strip()) >= 20 and a.startswith(r.strip().casefold()[:20]) for r in texts)
 
 
-def make_probes(rng: random.Random, n: int, kinds=None, change: float = 0.35) -> list[dict]:
+def make_probes(rng: random.Random, n: int, kinds=None, change: float = 0.35, additions: bool = True) -> list[dict]:
     """n facts of distinct kinds (of `kinds`, default all) for one user: how each is told and asked, and, with
-    probability `change`, corrected later (a kind with corrections) or added to (a kind in ADDS)."""
+    probability `change`, corrected later (a kind with corrections) or added to (a kind in ADDS). additions=False:
+    the generator before 2026-12-07 (no additions, no language kind): a draw of then, again from its seed."""
     out = []
-    pool = sorted(kinds or FACTS)
+    pool = sorted(kinds or (FACTS if additions else [k for k in FACTS if k not in NEW_KINDS]))
     for kind in rng.sample(pool, min(n, len(pool))):
         draw, tells, fixes, asks = FACTS[kind]
         v, how = draw(rng), rng.choice(tells)
         p = {"kind": kind, "value": v, "phrasing": how, "tell": how.format(v=v), "ask": rng.choice(asks), "old": None}
-        if (fixes or kind in ADDS) and rng.random() < change:
+        if (fixes or (additions and kind in ADDS)) and rng.random() < change:
             v2 = draw(rng)
             while v2 == v:
                 v2 = draw(rng)
@@ -402,7 +404,7 @@ def histories(args, seed: int) -> tuple[Path, dict]:
         return path, got
     rng = random.Random(seed)
     kinds = args.kinds.split(",") if args.kinds else None
-    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts, kinds, args.change)
+    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": make_probes(rng, args.facts, kinds, args.change, args.additions)
              for i in range(args.users)}
     bar = _bar(sum(len(p) + sum(shape(x) != "told" for x in p) for p in users.values()), "conversations")
     replies: dict[str, list[str]] = {}
@@ -553,6 +555,9 @@ def main() -> int:
     ap.add_argument("--change", type=float, default=0.35,
                     help="the chance a fact is corrected later (a kind with corrections) or added to (a kind with "
                          f"additions: {', '.join(ADDS)})")
+    ap.add_argument("--no-additions", dest="additions", action="store_false",
+                    help="draw no additions and no kind added with them: the generator before 2026-12-07, so an "
+                         "earlier result's histories seed draws its probes again")
     ap.add_argument("--history-tokens", type=int, default=0,
                     help="pad each user's history to this many tokens with scripted sessions (the user "
                          "pastes a paragraph of real prose and asks about it)")

@@ -76,6 +76,20 @@ def test_probes_added_to_every_value_asked_for():
     assert all(b.shape(p) == "told" for p in b.make_probes(random.Random(4), 10, kinds, 0.0))
 
 
+def test_no_additions_draws_an_earlier_results_probes_again():
+    """--no-additions is the generator before additions: draw 11's histories seed gives its 200 probes again
+    (the result file's users, in order), and the generator of today draws others from it."""
+    res = json.loads((ROOT / "benchmarks/results/chat-recall-200-2026-12-07-d11.json").read_text())
+    rng = random.Random(res["histories_seed"])
+    users = {f"user-{i}-{rng.randrange(1 << 20):05x}": b.make_probes(rng, 20, additions=False) for i in range(10)}
+    keys = ("user", "kind", "value", "tell", "ask", "old")
+    drawn = [{"user": u, **p} for u, ps in users.items() for p in ps]
+    assert [{k: r[k] for k in keys} for r in drawn] == [{k: r[k] for k in keys} for r in res["rows"]]
+    rng = random.Random(res["histories_seed"])
+    today = [p for i in range(10) for p in (rng.randrange(1 << 20), b.make_probes(rng, 20))[1]]
+    assert [p["tell"] for p in today] != [r["tell"] for r in res["rows"]]
+
+
 def test_condition_names():
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
                                                    "end": False, "recompute": 0.6, "guard": None, "inline": False,
