@@ -395,13 +395,12 @@ class ChatMemory:
             meta = meta_of(live[h.row][0])
             return meta["time"], meta["turn"]
 
-        def asks(h):                      # the user's words of h's turn ask something (supersede)
-            return "?" in said(text_of(live[h.row][0])[0])
-
-        def added(h):                     # the user's words of h's turn add to what was told (additive)
-            return adds(said(text_of(live[h.row][0])[0]))
+        def words(h):                     # the user's words of h's turn
+            return said(text_of(live[h.row][0])[0])
+        # a turn asking something (supersede), a turn adding to what was told (additive)
         kept = refine(kept, cands, k, held, lambda h: live[h.row][0], when, self.newer and bool(asked),
-                      self.supersede and bool(asked), top, asks, added if self.additive else None)
+                      self.supersede and bool(asked), top, lambda h: "?" in words(h),
+                      (lambda h: adds(words(h))) if self.additive else None)
         for h in kept:
             doc_id = live[h.row][0]
             entry, meta = store.manifest.docs[doc_id], meta_of(doc_id)
