@@ -74,6 +74,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: to
     if top_p < 1.0:
         p, idx = probs.sort(descending=True)
         keep = p.cumsum(0) - p < top_p
+        keep[0] = True                      # a top_p under float32's least (5e-324) compares as 0 < 0
         probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
         probs /= probs.sum()
     return int(torch.multinomial(probs, 1, generator=gen))
@@ -139,6 +140,7 @@ class Sampler:
             if self.top_p < 1.0:
                 p, idx = probs.sort(descending=True)
                 keep = p.cumsum(0) - p < self.top_p * p.sum()
+                keep[0] = True              # the most likely token, whatever top_p rounds to
                 probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
             tok = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
         self.counts[tok] = self.counts.get(tok, 0) + 1

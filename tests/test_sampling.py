@@ -65,3 +65,16 @@ def test_a_vanishing_temperature_draws_the_largest_logit_not_nan():
     tied[[2, 6]] = 4.0
     assert tempered(tied, 5e-324).tolist() == [0, 0, 0.5, 0, 0, 0, 0.5, 0]
     assert torch.equal(tempered(logits, 0.7), torch.softmax(logits / 0.7, dim=-1))
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token_not_nothing():
+    # found by tests/server/test_schema.py's hostile values: top_p = 5e-324 rounds to 0 in float32, so
+    # "cumulative mass before a token < top_p" held for no token, and the draw from all zeros was a 500
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g)
+    best = int(logits.argmax())
+    for top_p in (5e-324, 1e-45, 1e-30):
+        assert sample(logits, 1.0, top_p, torch.Generator().manual_seed(1)) == best
+        for s in (Sampler(1.0, top_p, torch.Generator().manual_seed(1), 3, 0.0, 1.0, 0.0, 0.0, {}, ()),
+                  sampler(0.7, top_p, seed=2, min_p=0.01)):
+            assert [s(logits) for _ in range(5)] == [best] * 5

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.clirun import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -135,7 +136,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     store = tmp_path / "histories"
     cmd = [sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "2", "--distractors", "0",
            "--answer-tokens", "8", "--reply-tokens", "8", "--store", str(store)]
-    r = subprocess.run(cmd + ["--seed", "5", "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
+    r = run_script(cmd + ["--seed", "5", "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(next((tmp_path / "a").glob("chat-recall-2-*.json")).read_text())
@@ -145,7 +146,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert res["question_states_removed"] >= res["probes"] * len(b.CONDITIONS)
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
-    r = subprocess.run(cmd + ["--seed", "6", "--conditions", "text-user,text-user-guard,kv-user-system-r1.0,kv-user-guard,"
+    r = run_script(cmd + ["--seed", "6", "--conditions", "text-user,text-user-guard,kv-user-system-r1.0,kv-user-guard,"
                               "kv-user-messages,text-user-messages,kv-user-inline", "--out",
                               str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -168,20 +169,20 @@ def test_long_histories_kept_in_one_memory(tmp_path):
     cmd = [sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "1", "--distractors", "0",
            "--answer-tokens", "4", "--reply-tokens", "4", "--history-tokens", "1500", "--memories", "user",
            "--store", str(tmp_path / "h"), "--seed", "7"]
-    r = subprocess.run(cmd + ["--conditions", "kv-user,text-user", "--out", str(tmp_path / "a")], cwd=ROOT,
+    r = run_script(cmd + ["--conditions", "kv-user,text-user", "--out", str(tmp_path / "a")], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(next((tmp_path / "a").glob("chat-recall-1-*.json")).read_text())
     assert res["history_tokens_per_user"] >= 1500 and res["summary"]["kv-user"]["n"] == 1
     kept = json.loads((tmp_path / "h" / "histories.json").read_text())
     assert kept["memories"] == "user"
-    r = subprocess.run(cmd + ["--conditions", "kv-exchange", "--out", str(tmp_path / "b")], cwd=ROOT,
+    r = run_script(cmd + ["--conditions", "kv-exchange", "--out", str(tmp_path / "b")], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode != 0 and "needs the memory 'exchange'" in r.stderr and not (tmp_path / "b").exists()
-    r = subprocess.run(cmd[:-4] + ["--store", str(tmp_path / "new"), "--memories", "user,nope"], cwd=ROOT,
+    r = run_script(cmd[:-4] + ["--store", str(tmp_path / "new"), "--memories", "user,nope"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode != 0 and "--memories" in r.stderr and not (tmp_path / "new").exists()
     for bad, said in ((["--kinds", "locker,nope"], "--kinds: nope"), (["--change", "1.5"], "--change")):
-        r = subprocess.run(cmd[:-4] + ["--store", str(tmp_path / "new")] + bad, cwd=ROOT, capture_output=True,
+        r = run_script(cmd[:-4] + ["--store", str(tmp_path / "new")] + bad, cwd=ROOT, capture_output=True,
                            text=True, timeout=900)
         assert r.returncode != 0 and said in r.stderr and not (tmp_path / "new").exists()

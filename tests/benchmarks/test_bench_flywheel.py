@@ -4,11 +4,12 @@ problems are exact: every worked solution passes its own verifier, no other answ
 import json
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.clirun import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -29,7 +30,7 @@ def test_problem_families_are_exact(rng):
 
 @pytest.mark.real_model
 def test_bench_flywheel_runs(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_flywheel.py", "--stream", "2", "--eval", "2",
+    p = run_script([sys.executable, "benchmarks/bench_flywheel.py", "--stream", "2", "--eval", "2",
                         "--checkpoints", "1,2", "--n", "2", "--repeat", "2", "--seeded", "3", "--max-new-tokens", "6",
                         "--sweep-k", "1", "--cold", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)

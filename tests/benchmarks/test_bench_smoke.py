@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.clirun import run_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.real_model
 def test_bench_flat_access_reports_a_bounded_window(tmp_path):
     out = tmp_path / "flat.json"
-    p = subprocess.run([sys.executable, "benchmarks/bench_flat_access.py", "--tokens", "2048,8192", "--questions", "3",
+    p = run_script([sys.executable, "benchmarks/bench_flat_access.py", "--tokens", "2048,8192", "--questions", "3",
                         "--top-k", "2,8", "--no-faiss", "--reread", "on,off", "--json", str(out), "--dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -36,7 +38,7 @@ def test_bench_flat_access_reports_a_bounded_window(tmp_path):
 @pytest.mark.real_model
 def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     def run(tag):
-        return subprocess.run([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "2",
+        return run_script([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "2",
                                "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
                                "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
                                "--generators", "mixed,records",
@@ -69,7 +71,7 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
 
 @pytest.mark.real_model
 def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_invariant.py", "--tokens", "300", "--decode", "3",
+    p = run_script([sys.executable, "benchmarks/bench_invariant.py", "--tokens", "300", "--decode", "3",
                         "--batch", "2", "--reps", "1", "--out", str(tmp_path), "--seed", "3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -83,7 +85,7 @@ def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
 
 
 def test_bench_select_sweeps_ivf_probes(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_select.py", "--sizes", "16384", "--questions", "5",
+    p = run_script([sys.executable, "benchmarks/bench_select.py", "--sizes", "16384", "--questions", "5",
                         "--nprobe", "2,1000", "--hnsw-ef", "4,1000", "--out", str(tmp_path), "--seed", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -102,7 +104,7 @@ def test_bench_select_sweeps_ivf_probes(tmp_path):
 
 @pytest.mark.real_model
 def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_codec.py", "--tokens", "700", "--reps", "1",
+    p = run_script([sys.executable, "benchmarks/bench_codec.py", "--tokens", "700", "--reps", "1",
                         "--out", str(tmp_path), "--seed", "5"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("codec-*.json")).read_text())
@@ -117,7 +119,7 @@ def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path)
 
 
 def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_lexical.py", "--sizes", "300,900", "--reps", "4",
+    p = run_script([sys.executable, "benchmarks/bench_lexical.py", "--sizes", "300,900", "--reps", "4",
                         "--out", str(tmp_path), "--seed", "6"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("lexical-*.json")).read_text())
@@ -180,7 +182,7 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
     """A default store restores whole blocks only, so a session whose conversation stays inside
     its first block has nothing worth saving: no state, no row (each turn used to write one)."""
     out = tmp_path / "saves.json"
-    p = subprocess.run([sys.executable, "benchmarks/bench_chat_saves.py", "--turns", "2", "--words", "12",
+    p = run_script([sys.executable, "benchmarks/bench_chat_saves.py", "--turns", "2", "--words", "12",
                         "--max-tokens", "4", "--seed", "3", "--out", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -191,7 +193,7 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
 
 @pytest.mark.real_model
 def test_bench_models_measures_a_family_and_reports_a_refused_one(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/bench_models.py", "--families", "tiny-llama,phi-3.5-mini",
+    p = run_script([sys.executable, "benchmarks/bench_models.py", "--families", "tiny-llama,phi-3.5-mini",
                         "--tokens", "300", "--e3", "2", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -5,6 +5,7 @@ import pytest
 
 import kvmemory
 from tests.bounds import bound
+from tests.clirun import run_script
 
 pytestmark = pytest.mark.real_model
 
@@ -43,11 +44,10 @@ def test_bench_chat_memory_runs(tmp_path):
     """benchmarks/bench_chat_memory.py end to end on a tiny history: every condition answers every
     question, recall finds evidence, and nothing leaks."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
+    p = run_script([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
                         "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
                         "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1-nocover,oracle",
                         "--questions", str(bound("KVMEMORY_BENCH_QUESTIONS", 10, 1000))],
@@ -97,12 +97,11 @@ def test_bench_chat_memory_condition_names():
 
 def test_bench_chat_memory_refuses_an_unknown_condition(tmp_path):
     """A misspelt condition is refused before anything is built (it once ran as the oracle)."""
-    import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     for bad in ("kv-cut1.5", "kv-cutx", "orcale", "text-r0.3", "kv-r0.3-cut2", "kv-cover", "kv-guard-r0"):
-        p = subprocess.run([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
+        p = run_script([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
                             "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "--conditions" in p.stderr and bad in p.stderr
     assert list(tmp_path.iterdir()) == []

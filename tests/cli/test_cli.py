@@ -1,24 +1,19 @@
-"""The `kvmemory` command line, run as a real subprocess: help, exit codes, messages."""
+"""The `kvmemory` command line: help, exit codes, messages. The entry point runs as a real subprocess
+here; the commands run through `kvmemory.cli.main(argv)` in this process (tests/clirun.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests.bounds import FULL
+from tests.clirun import run
 
 SUBCOMMANDS = ["save", "generate", "info", "verify", "audit", "compact", "add", "ask", "docs", "rm", "reindex", "demo", "gc", "serve",
                "keys"]
 
 
-def run(*args, stdin=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], input=stdin,
-                          capture_output=True, timeout=timeout)
-
-
 def test_top_level_help_lists_every_command():
-    r = run("--help")
+    r = run("--help", process=True)
     assert r.returncode == 0
     out = r.stdout.decode()
     for c in SUBCOMMANDS:
@@ -47,7 +42,7 @@ def _one_line_error(r):
 
 
 def test_runtime_errors_exit_1_with_one_line(tmp_path):
-    assert "no kvmemory store" in _one_line_error(run("info", tmp_path / "nope"))
+    assert "no kvmemory store" in _one_line_error(run("info", tmp_path / "nope", process=True))
     f = tmp_path / "file"
     f.write_text("x")
     assert "is a file" in _one_line_error(run("verify", f))

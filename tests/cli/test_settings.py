@@ -12,11 +12,13 @@ import pytest
 
 from kvmemory.errors import InputError
 from kvmemory.settings import ENV, FIELDS, Settings, load, render
+from tests.clirun import run
 
 
 def _run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env={**{k: v for k, v in os.environ.items() if k not in ENV}, **(env or {})})
+    r = run(*args, env={**{k: v for k, v in os.environ.items() if k not in ENV}, **(env or {})})
+    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
+    return r
 
 
 def test_precedence_flag_over_environment_over_file_over_default(tmp_path):

@@ -152,6 +152,9 @@ def test_hostile_values_in_every_field_of_every_post_are_never_a_server_error(ap
     # found by this test: a subnormal temperature overflowed logits / T into NaN, a 500 (decode.tempered)
     @example(target=("/v1/completions", "temperature"), value=5e-324)
     @example(target=("/v1/chat/completions", "temperature"), value=5e-324)
+    # and a subnormal top_p rounded to 0 in float32 kept no token at all (decode.sample)
+    @example(target=("/v1/completions", "top_p"), value=5e-324)
+    @example(target=("/v1/chat/completions", "top_p"), value=5e-324)
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(target, value):
         path, key = target

@@ -3,8 +3,6 @@ with every block's error measured against its exact KV, reported by every graft,
 
 import json
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -166,10 +164,8 @@ def test_a_damaged_compact_block_fails_its_digest(pair, tmp_path, tiny):
 
 
 def test_the_command_line_compacts_and_shows_the_bytes_saved_and_the_error(pair, tmp_path, tiny_dir):
+    from tests.clirun import run
     d, _, sids, _ = pair
-
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], capture_output=True, timeout=600)
     r = run("compact", d / "exact.kvm", tmp_path / "c.kvm", "--model", tiny_dir, "--json")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -278,8 +276,7 @@ def test_the_command_line_creates_opens_and_rotates_an_encrypted_store(tmp_path,
     text.write_text("The lighthouse keeper wrote in the log every night. " * 8)
 
     def kvm(*args, env=env):
-        return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], capture_output=True,
-                              timeout=600, env=env)
+        return run(*args, env=env)
     r = kvm("save", store, text, "--model", tiny_dir, "--encrypt")
     assert r.returncode == 0, r.stderr
     r = kvm("info", store, "--json")
