@@ -34,11 +34,17 @@ def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = No
     """`subprocess.run([sys.executable, SCRIPT, ARGS...], cwd=..., capture_output=True, text=...)` run in this
     process instead: SCRIPT as __main__ (runpy), with sys.argv, the working directory, sys.path and the
     modules of SCRIPT's folder (imported afresh: a module reading the environment at import, as
-    examples/town.py does, reads `env`) as a fresh interpreter would have them, all put back after. Keyword arguments subprocess.run takes and this has no
+    examples/town.py does, reads `env`) as a fresh interpreter would have them, all put back after, with
+    the global random generators (random, numpy, torch) the script may seed. Keyword arguments subprocess.run takes and this has no
     use for (capture_output, timeout) are accepted and ignored."""
+    import random
     import runpy
 
+    import numpy as np
+    import torch
+
     assert cmd[0] == sys.executable, cmd
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()   # bench_models seeds torch
     script, argv = str(cmd[1]), [str(a) for a in cmd[2:]]
     where, path, args = os.getcwd(), list(sys.path), sys.argv
     if cwd is not None:
@@ -61,6 +67,9 @@ def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = No
         for name in _modules_in(folder):
             del sys.modules[name]
         sys.modules.update(siblings)
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
     o, e = out.getvalue(), err.getvalue()
     return subprocess.CompletedProcess(cmd, code, o.decode() if text else o, e.decode() if text else e)
 
