@@ -137,7 +137,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     cmd = [sys.executable, "benchmarks/bench_chat_recall.py", "--users", "1", "--facts", "2", "--distractors", "0",
            "--answer-tokens", "8", "--reply-tokens", "8", "--store", str(store)]
     r = run_script(cmd + ["--seed", "5", "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+                   timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(next((tmp_path / "a").glob("chat-recall-2-*.json")).read_text())
     assert res["seed"] == 5 and res["probes"] == 2 and set(res["summary"]) >= set(b.CONDITIONS)
@@ -147,8 +147,8 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
     r = run_script(cmd + ["--seed", "6", "--conditions", "text-user,text-user-guard,kv-user-system-r1.0,kv-user-guard,"
-                              "kv-user-messages,text-user-messages,kv-user-inline", "--out",
-                              str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          "kv-user-messages,text-user-messages,kv-user-inline", "--out",
+                          str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     again = json.loads(next((tmp_path / "b").glob("chat-recall-2-*.json")).read_text())
     assert "reusing the histories" in r.stderr and again["histories_seed"] == 5
@@ -170,19 +170,19 @@ def test_long_histories_kept_in_one_memory(tmp_path):
            "--answer-tokens", "4", "--reply-tokens", "4", "--history-tokens", "1500", "--memories", "user",
            "--store", str(tmp_path / "h"), "--seed", "7"]
     r = run_script(cmd + ["--conditions", "kv-user,text-user", "--out", str(tmp_path / "a")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
+                   capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(next((tmp_path / "a").glob("chat-recall-1-*.json")).read_text())
     assert res["history_tokens_per_user"] >= 1500 and res["summary"]["kv-user"]["n"] == 1
     kept = json.loads((tmp_path / "h" / "histories.json").read_text())
     assert kept["memories"] == "user"
     r = run_script(cmd + ["--conditions", "kv-exchange", "--out", str(tmp_path / "b")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
+                   capture_output=True, text=True, timeout=900)
     assert r.returncode != 0 and "needs the memory 'exchange'" in r.stderr and not (tmp_path / "b").exists()
     r = run_script(cmd[:-4] + ["--store", str(tmp_path / "new"), "--memories", "user,nope"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
+                   capture_output=True, text=True, timeout=900)
     assert r.returncode != 0 and "--memories" in r.stderr and not (tmp_path / "new").exists()
     for bad, said in ((["--kinds", "locker,nope"], "--kinds: nope"), (["--change", "1.5"], "--change")):
         r = run_script(cmd[:-4] + ["--store", str(tmp_path / "new")] + bad, cwd=ROOT, capture_output=True,
-                           text=True, timeout=900)
+                       text=True, timeout=900)
         assert r.returncode != 0 and said in r.stderr and not (tmp_path / "new").exists()

@@ -31,9 +31,9 @@ def test_problem_families_are_exact(rng):
 @pytest.mark.real_model
 def test_bench_flywheel_runs(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_flywheel.py", "--stream", "2", "--eval", "2",
-                        "--checkpoints", "1,2", "--n", "2", "--repeat", "2", "--seeded", "3", "--max-new-tokens", "6",
-                        "--sweep-k", "1", "--cold", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+                    "--checkpoints", "1,2", "--n", "2", "--repeat", "2", "--seeded", "3", "--max-new-tokens", "6",
+                    "--sweep-k", "1", "--cold", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                   timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("flywheel-*.json")).read_text())
     C = res["conditions"]

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_flat_access_reports_a_bounded_window(tmp_path):
     out = tmp_path / "flat.json"
     p = run_script([sys.executable, "benchmarks/bench_flat_access.py", "--tokens", "2048,8192", "--questions", "3",
-                        "--top-k", "2,8", "--no-faiss", "--reread", "on,off", "--json", str(out), "--dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--top-k", "2,8", "--no-faiss", "--reread", "on,off", "--json", str(out), "--dir", str(tmp_path)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert sorted((r["store_tokens"], r["top_k"], r["reread"]) for r in res["rows"]) == \
@@ -39,11 +39,11 @@ def test_bench_flat_access_reports_a_bounded_window(tmp_path):
 def test_bench_qa_reuses_a_kept_deposit(tmp_path):
     def run(tag):
         return run_script([sys.executable, "benchmarks/bench_qa.py", "--sizes", "1500", "--questions", "2",
-                               "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
-                               "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
-                               "--generators", "mixed,records",
-                               "--out", str(tmp_path), "--tag", tag], cwd=ROOT, capture_output=True, text=True,
-                              timeout=900)
+                           "--configs", "k2,k2-rr4-m0.1,k2-s16-last", "--methods", "rag", "--selectors", "bm25",
+                           "--max-new-tokens", "4", "--seed", "7", "--keep", str(tmp_path / "kept"),
+                           "--generators", "mixed,records",
+                           "--out", str(tmp_path), "--tag", tag], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     first, second = run("a"), run("b")
     assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
     a, b = (json.loads(next(tmp_path.glob(f"qa-*-{t}.json")).read_text()) for t in ("a", "b"))
@@ -72,8 +72,8 @@ def test_bench_qa_reuses_a_kept_deposit(tmp_path):
 @pytest.mark.real_model
 def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_invariant.py", "--tokens", "300", "--decode", "3",
-                        "--batch", "2", "--reps", "1", "--out", str(tmp_path), "--seed", "3"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--batch", "2", "--reps", "1", "--out", str(tmp_path), "--seed", "3"],
+                   cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("invariant-*.json")).read_text())
     inv, default = res["modes"]["invariant"], res["modes"]["default"]
@@ -86,8 +86,8 @@ def test_bench_invariant_runs_and_finds_only_the_invariant_mode_exact(tmp_path):
 
 def test_bench_select_sweeps_ivf_probes(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_select.py", "--sizes", "16384", "--questions", "5",
-                        "--nprobe", "2,1000", "--hnsw-ef", "4,1000", "--out", str(tmp_path), "--seed", "4"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--nprobe", "2,1000", "--hnsw-ef", "4,1000", "--out", str(tmp_path), "--seed", "4"],
+                   cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.loads(next(tmp_path.glob("select-*.json")).read_text())["rows"][0]
     few, every = row["ivf_sweep"]
@@ -105,7 +105,7 @@ def test_bench_select_sweeps_ivf_probes(tmp_path):
 @pytest.mark.real_model
 def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_codec.py", "--tokens", "700", "--reps", "1",
-                        "--out", str(tmp_path), "--seed", "5"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--out", str(tmp_path), "--seed", "5"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("codec-*.json")).read_text())
     raw = next(s for s in res["store"] if s["codec"] == "none")
@@ -120,7 +120,7 @@ def test_bench_codec_measures_the_compact_tier_against_the_exact_store(tmp_path)
 
 def test_bench_lexical_compares_the_rebuilt_and_the_in_place_bm25(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_lexical.py", "--sizes", "300,900", "--reps", "4",
-                        "--out", str(tmp_path), "--seed", "6"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--out", str(tmp_path), "--seed", "6"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("lexical-*.json")).read_text())
     assert [r["windows"] for r in res["rows"]] == [300, 900]
@@ -183,8 +183,8 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
     its first block has nothing worth saving: no state, no row (each turn used to write one)."""
     out = tmp_path / "saves.json"
     p = run_script([sys.executable, "benchmarks/bench_chat_saves.py", "--turns", "2", "--words", "12",
-                        "--max-tokens", "4", "--seed", "3", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=900)
+                    "--max-tokens", "4", "--seed", "3", "--out", str(out)], cwd=ROOT, capture_output=True,
+                   text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["turns"] == 2 and len(res["replies"]) == 2 and 0 < res["conversation_tokens"] < 256
@@ -194,8 +194,8 @@ def test_bench_chat_saves_stores_nothing_of_a_conversation_shorter_than_a_block(
 @pytest.mark.real_model
 def test_bench_models_measures_a_family_and_reports_a_refused_one(tmp_path):
     p = run_script([sys.executable, "benchmarks/bench_models.py", "--families", "tiny-llama,phi-3.5-mini",
-                        "--tokens", "300", "--e3", "2", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                    "--tokens", "300", "--e3", "2", "--dtype", "float32", "--seed", "3", "--out", str(tmp_path)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("models-*.json")).read_text())
     ok, refused = res["rows"]

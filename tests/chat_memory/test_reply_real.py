@@ -48,10 +48,10 @@ def test_bench_chat_memory_runs(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     p = run_script([sys.executable, "benchmarks/bench_chat_memory.py", "--users", "2", "--sessions", "3",
-                        "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
-                        "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1-nocover,oracle",
-                        "--questions", str(bound("KVMEMORY_BENCH_QUESTIONS", 10, 1000))],
-                       cwd=root, capture_output=True, text=True, timeout=900)
+                    "--filler", "1", "--max-new-tokens", "6", "--out", str(tmp_path), "--seed", "5",
+                    "--block-tokens", "64", "--conditions", "none,text,kv,kv-cut1-nocover,oracle",
+                    "--questions", str(bound("KVMEMORY_BENCH_QUESTIONS", 10, 1000))],
+                   cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(next(tmp_path.glob("chat-memory-*.json")).read_text())
     assert res["store_layout"] == {"block_tokens": 64, "codec": "none"}
@@ -102,6 +102,6 @@ def test_bench_chat_memory_refuses_an_unknown_condition(tmp_path):
     root = Path(__file__).resolve().parents[2]
     for bad in ("kv-cut1.5", "kv-cutx", "orcale", "text-r0.3", "kv-r0.3-cut2", "kv-cover", "kv-guard-r0"):
         p = run_script([sys.executable, "benchmarks/bench_chat_memory.py", "--conditions", f"kv,{bad}",
-                            "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+                        "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "--conditions" in p.stderr and bad in p.stderr
     assert list(tmp_path.iterdir()) == []
