@@ -1,9 +1,9 @@
-"""examples/ run as written (python examples/X.py from the repository root), offline, with the real
-default model, and print an answer and a time to first token for every question."""
+"""examples/ run as written (as python examples/X.py from the repository root would, here in this process:
+tests/clirun.py), offline, with the real default model, and print an answer and a time to first token for
+every question."""
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +15,7 @@ pytest.importorskip("llama_index.core")
 import kvmemory  # noqa: E402
 
 from tests.bounds import bound  # noqa: E402
+from tests.clirun import run_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -28,8 +29,7 @@ LINE = re.compile(r"\[(ok|miss)\] TTFT +([\d.]+) s +total +([\d.]+) s")
 
 def run(script: str, *args) -> str:
     env = {**os.environ, "KVMEMORY_EXAMPLE_QUESTIONS": str(N_QUESTIONS)}
-    p = subprocess.run([sys.executable, f"examples/{script}", *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=900, env=env)
+    p = run_script([sys.executable, f"examples/{script}", *map(str, args)], cwd=ROOT, text=True, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 
