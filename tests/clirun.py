@@ -1,9 +1,9 @@
-"""`kvmemory ARGS...` for the tests: in this process through `kvmemory.cli.main(argv)` (the same code
-`python -m kvmemory.cli` runs, without its ~5 s import of torch and transformers per call), or in a
-real subprocess (`process=True`: the entry point itself, exit codes the interpreter sets, anything
-that must not share this process). Both return a subprocess.CompletedProcess with bytes stdout and
-stderr; an exception main() lets through is written to stderr as a traceback with exit code 1,
-as the interpreter would."""
+"""`kvmemory ARGS...` and `python SCRIPT ARGS...` for the tests, run in this process: `run` through
+`kvmemory.cli.main(argv)` (the same code `python -m kvmemory.cli` runs, without its ~5 s import of torch
+and transformers per call), or in a real subprocess (`process=True`: the entry point itself, anything that
+must not share this process); `run_script` a benchmark or an example as `__main__`. Both return a
+subprocess.CompletedProcess; an exception that escapes is written to stderr as a traceback with exit code
+1, as the interpreter would. In this process there is no timeout."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = No
     process instead: SCRIPT as __main__ (runpy), with sys.argv, the working directory, sys.path and the
     modules of SCRIPT's folder (imported afresh: a module reading the environment at import, as
     examples/town.py does, reads `env`) as a fresh interpreter would have them, all put back after, with
-    the global random generators (random, numpy, torch) the script may seed. Keyword arguments subprocess.run takes and this has no
-    use for (capture_output, timeout) are accepted and ignored."""
+    the global random generators (random, numpy, torch) the script may seed. Keyword arguments
+    subprocess.run takes and this has no use for (capture_output, timeout) are accepted and ignored."""
     import random
     import runpy
 
