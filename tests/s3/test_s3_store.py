@@ -197,19 +197,18 @@ def test_memory_on_s3_deposits_asks_learns_and_reports_its_tiers(s3, tmp_path, t
 
 
 def test_cli_works_on_an_s3_url(s3, tmp_path, tiny_dir):
+    from tests.clirun import run
     doc = tmp_path / "note.txt"
     doc.write_text("The observatory on the hill was built in 1911 by the town council. " * 20)
     env = dict(s3.env, KVMEMORY_STORE_CACHE_DIR=str(tmp_path / "cli-work"))
     url = s3.url("cli")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvmemory.cli", *a], env=env, cwd=tmp_path,  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
-    r = run("add", url, str(doc), "--model", str(tiny_dir))
+    r = run("add", url, doc, "--model", tiny_dir, env=env)
     assert r.returncode == 0, r.stderr
-    r = run("info", url, "--json")
+    r = run("info", url, "--json", env=env)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["path"] == url and info["documents"] == 1
-    r = run("verify", url, "--model", str(tiny_dir))
+    r = run("verify", url, "--model", tiny_dir, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
