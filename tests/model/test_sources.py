@@ -91,9 +91,7 @@ def test_the_cli_adds_and_asks_with_a_gguf_file(tmp_path):
     doc = tmp_path / "note.txt"
     doc.write_text("The harbour office opens at seven. The ferry to the island leaves at nine.")
 
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], capture_output=True,
-                              text=True, timeout=600)
+    from tests.clirun import run
     r = run("add", tmp_path / "s.kvm", doc, "--model", gguf)
     assert r.returncode == 0, r.stderr
     r = run("ask", tmp_path / "s.kvm", "When does the ferry leave?", "--model", gguf, "--json")
@@ -144,9 +142,9 @@ def test_a_device_this_machine_lacks_is_an_error_not_a_fallback(tmp_path, tiny_d
     with kvmemory.Memory(tmp_path / "b.kvm", model=str(tiny_dir), device="auto") as m:
         assert m.model.device.type == "cpu"
     (tmp_path / "t.txt").write_text("hello")
-    r = subprocess.run([sys.executable, "-m", "kvmemory.cli", "save", str(tmp_path / "c.kvm"), str(tmp_path / "t.txt"),
-                        "--model", str(tiny_dir), "--device", "cuda:0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "no CUDA device" in r.stderr
+    from tests.clirun import run
+    r = run("save", tmp_path / "c.kvm", tmp_path / "t.txt", "--model", tiny_dir, "--device", "cuda:0")
+    assert r.returncode == 1 and b"no CUDA device" in r.stderr
 
 
 def test_a_float16_model_keeps_the_exactness_contract(tmp_path, tiny_dir, rng):
