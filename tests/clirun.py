@@ -15,18 +15,20 @@ import sys
 import traceback
 
 
-def run(*args, stdin: bytes | None = None, env: dict[str, str] | None = None, timeout: float = 600,
-        process: bool = False) -> subprocess.CompletedProcess:
-    """`env`, as subprocess's: the whole environment the command sees (this process's is put back after)."""
+def run(*args, stdin: bytes | None = None, env: dict[str, str] | None = None, text: bool = False,
+        timeout: float = 600, process: bool = False) -> subprocess.CompletedProcess:
+    """`env`, as subprocess's: the whole environment the command sees (this process's is put back after);
+    `text`: stdout and stderr decoded."""
     argv = [str(a) for a in args]
     if process:
         return subprocess.run([sys.executable, "-m", "kvmemory.cli", *argv], input=stdin, capture_output=True,
-                              timeout=timeout, env=env)
+                              timeout=timeout, env=env, text=text)
     from kvmemory.cli import main
 
     with _captured(stdin, env) as (out, err):
         code = _exit_code(main, argv)
-    return subprocess.CompletedProcess(["kvmemory", *argv], code, out.getvalue(), err.getvalue())
+    o, e = out.getvalue(), err.getvalue()
+    return subprocess.CompletedProcess(["kvmemory", *argv], code, o.decode() if text else o, e.decode() if text else e)
 
 
 def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = None, env: dict[str, str] | None = None,

@@ -14,6 +14,7 @@ import torch
 
 import kvmemory
 from kvmemory.errors import InputError, StoreCorruptError
+from tests.clirun import run
 
 
 def words(rng, n, tag=""):
@@ -22,9 +23,8 @@ def words(rng, n, tag=""):
     return f"{tag} " + " ".join(rng.choice(vocab) for _ in range(n))
 
 
-def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvmemory.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def cli(*args):
+    return run(*args, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True)
 
 
 def test_two_processes_adding_at_once_both_end_up_indexed(tmp_path, tiny_dir, rng, monkeypatch):

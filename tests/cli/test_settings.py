@@ -16,9 +16,7 @@ from tests.clirun import run
 
 
 def _run(*args, env=None):
-    r = run(*args, env={**{k: v for k, v in os.environ.items() if k not in ENV}, **(env or {})})
-    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
-    return r
+    return run(*args, env={**{k: v for k, v in os.environ.items() if k not in ENV}, **(env or {})}, text=True)
 
 
 def test_precedence_flag_over_environment_over_file_over_default(tmp_path):
