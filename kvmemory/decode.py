@@ -65,6 +65,17 @@ def tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return top / top.sum()
 
 
+def nucleus(probs: torch.Tensor, top_p: float, of_mass: bool = False) -> torch.Tensor:
+    """probs [vocab] with only the top_p nucleus kept (the others 0, not renormalized): the likeliest tokens
+    whose mass before them is under top_p (of_mass: under top_p x the mass of probs, for probs already cut by
+    top_k or min_p). The most likely token is always kept: a top_p under float32's least (5e-324) rounds
+    to 0 and would keep none."""
+    p, idx = probs.sort(descending=True)
+    keep = p.cumsum(0) - p < (top_p * p.sum() if of_mass else top_p)
+    keep[0] = True
+    return torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: torch.Generator | None = None) -> int:
     """One token of logits [vocab]: argmax at temperature 0; otherwise drawn from softmax(logits / T)
     restricted to the top_p nucleus (the most likely token is always kept), with `gen` (CPU) if given."""
@@ -72,10 +83,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, gen: to
         return int(logits.argmax())
     probs = tempered(logits.float().cpu(), temperature)
     if top_p < 1.0:
-        p, idx = probs.sort(descending=True)
-        keep = p.cumsum(0) - p < top_p
-        keep[0] = True                      # a top_p under float32's least (5e-324) compares as 0 < 0
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+        probs = nucleus(probs, top_p)
         probs /= probs.sum()
     return int(torch.multinomial(probs, 1, generator=gen))
 
@@ -138,10 +146,7 @@ class Sampler:
             if self.min_p > 0:
                 probs[probs < self.min_p * probs.max()] = 0
             if self.top_p < 1.0:
-                p, idx = probs.sort(descending=True)
-                keep = p.cumsum(0) - p < self.top_p * p.sum()
-                keep[0] = True              # the most likely token, whatever top_p rounds to
-                probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+                probs = nucleus(probs, self.top_p, of_mass=True)
             tok = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
         self.counts[tok] = self.counts.get(tok, 0) + 1
         return tok

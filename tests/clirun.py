@@ -27,8 +27,7 @@ def run(*args, stdin: bytes | None = None, env: dict[str, str] | None = None, te
 
     with _captured(stdin, env) as (out, err):
         code = _exit_code(main, argv)
-    o, e = out.getvalue(), err.getvalue()
-    return subprocess.CompletedProcess(["kvmemory", *argv], code, o.decode() if text else o, e.decode() if text else e)
+    return _completed(["kvmemory", *argv], code, out, err, text)
 
 
 def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = None, env: dict[str, str] | None = None,
@@ -72,8 +71,13 @@ def run_script(cmd: list, cwd=None, text: bool = False, stdin: bytes | None = No
         random.setstate(rngs[0])
         np.random.set_state(rngs[1])
         torch.set_rng_state(rngs[2])
+    return _completed(cmd, code, out, err, text)
+
+
+def _completed(args: list, code: int, out: io.BytesIO, err: io.BytesIO, text: bool) -> subprocess.CompletedProcess:
+    """What subprocess.run returns for this run: stdout and stderr as bytes, or decoded (`text`)."""
     o, e = out.getvalue(), err.getvalue()
-    return subprocess.CompletedProcess(cmd, code, o.decode() if text else o, e.decode() if text else e)
+    return subprocess.CompletedProcess(args, code, o.decode() if text else o, e.decode() if text else e)
 
 
 def _modules_in(folder: str) -> dict:
