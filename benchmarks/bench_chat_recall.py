@@ -491,7 +491,9 @@ def summarize(rows: list[dict], conds: list[str]) -> dict:
                   "evidence_recalled": sum(r[c]["found"] for r in rows) / n,
                   # for each way a fact was told: [right, probes, every value recalled]
                   "shapes": {sh: [sum(r[c]["right"] for r in rows if shape(r) == sh), sum(shape(r) == sh for r in rows),
-                                  sum(r[c]["found"] for r in rows if shape(r) == sh)] for sh in ("told", "corrected", "added")}}
+                                  sum(r[c]["found"] for r in rows if shape(r) == sh)] for sh in ("told", "corrected", "added")},
+                  # for each kind of fact (job, city, locker, ...): [right, probes, every value recalled]
+                  "kinds": {kd: _kind_counts(rows, c, kd) for kd in sorted({r["kind"] for r in rows})}}
     for kv in conds:                                  # each kv condition against quoting the same turns
         cond = condition(kv)
         if cond["base"] != "kv":
@@ -542,7 +544,28 @@ def table(res: dict) -> str:
         if c.startswith("paired_"):
             lines.append(f"\npaired, {c[7:]} against {p['against']}: {c[7:]} alone right {p['kv_only']}, "
                          f"{p['against']} alone right {p['text_only']}")
+    return "\n".join(lines) + "\n\n" + kinds_table(res)
+
+
+def kinds_table(res: dict) -> str:
+    """Right answers for each kind of fact (rows) under each condition (columns): right/probes, and in brackets
+    the probes whose every value was recalled (a condition recalling nothing: none)."""
+    conds = [c for c in res["summary"] if not c.startswith("paired_")]
+    kinds = sorted({r["kind"] for r in res["rows"]})
+    lines = ["| kind of fact | " + " | ".join(conds) + " |", "|---" * (len(conds) + 1) + "|"]
+    for kd in kinds:
+        cells = []
+        for c in conds:
+            right, n, found = _kind_counts(res["rows"], c, kd)
+            cells.append(f"{right}/{n}" + (f" ({found})" if res["summary"][c]["evidence_recalled"] else ""))
+        lines.append(f"| {kd} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _kind_counts(rows: list[dict], c: str, kd: str) -> list[int]:
+    """[right, probes, every value recalled] of condition c on the probes of kind kd."""
+    mine = [r for r in rows if r["kind"] == kd]
+    return [sum(r[c]["right"] for r in mine), len(mine), sum(r[c]["found"] for r in mine)]
 
 
 def main() -> int:
@@ -589,7 +612,8 @@ def main() -> int:
     conds = [c for c in res["summary"] if not c.startswith("paired_")]
 
     def draw(fig):
-        ax1, ax2 = fig.subplots(1, 2)
+        axes = fig.subplot_mosaic([["right", "ttft"], ["kinds", "kinds"]])
+        ax1, ax2, ax3 = axes["right"], axes["ttft"], axes["kinds"]
         s = res["summary"]
         ax1.bar(conds, [s[c]["accuracy"] for c in conds])
         ax1.set_ylabel("answered right")
@@ -597,8 +621,17 @@ def main() -> int:
         ax2.bar(conds, [s[c]["ttft_median_s"] for c in conds])
         ax2.set_ylabel("median TTFT (s)")
         ax2.tick_params(axis="x", rotation=45)
+        kinds = sorted({r["kind"] for r in res["rows"]})
+        width = 0.8 / len(conds)
+        for i, c in enumerate(conds):                 # each kind of fact: the share answered, per condition
+            shares = [right / n for right, n, _ in (_kind_counts(res["rows"], c, kd) for kd in kinds)]
+            ax3.bar([j + i * width for j in range(len(kinds))], shares, width, label=c)
+        ax3.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds, rotation=45)
+        ax3.set_ylabel("answered right, by kind")
+        ax3.set_ylim(0, 1.2)
+        ax3.legend(fontsize="small", ncols=min(4, len(conds)), loc="upper center")
         fig.suptitle(f"chat recall on the model's own conversations: {res['probes']} probes, seed {seed}")
-    plot(out, draw, size=(11, 4.5))
+    plot(out, draw, size=(12, 8.5))
     return 0
 
 

@@ -41,7 +41,7 @@ def test_the_judge():
     assert not b.is_stale(code, "The door code at work is 1234.", False)
     assert not b.continues_prose(stale, [stale], False, stale=True)       # an answer, stale: not a continuation
     assert b.continues_prose("The user said: " + stale, [stale], False, stale=True)    # the form still counts
-    res = {"summary": {"kv": {}}, "rows": [{**code, "kv": {"answer": a, "right": False, "continues": True,
+    res = {"summary": {"kv": {}}, "rows": [{**code, "kind": "code", "kv": {"answer": a, "right": False, "continues": True,
                                                            "opens_as_memory": a.startswith("The user"),
                                                            "ttft_s": 0.1, "found": True}}
                                            for a in (stale, "The user said: " + stale, "The door code at work is")]}
@@ -51,6 +51,23 @@ def test_the_judge():
     assert b._messages("On 2026-12-04, the user said: hi there\nYou replied: hello\n") == [
         {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
     assert b._messages("On 2026-12-04, the user said: hi there\n") == [{"role": "user", "content": "hi there"}]
+
+
+def test_right_answers_by_kind_of_fact():
+    """The summary and the second table count each kind of fact apart: right / probes (every value recalled)."""
+    def row(kind, kv_right, found, oracle_right):
+        return {"kind": kind, "value": "x", "old": None,
+                "kv": {"answer": "", "right": kv_right, "continues": False, "ttft_s": 0.1, "found": found},
+                "oracle": {"answer": "", "right": oracle_right, "continues": False, "ttft_s": 0.1, "found": False}}
+    rows = [row("job", True, True, True), row("job", False, False, True), row("job", False, True, False),
+            row("city", True, True, True)]
+    s = b.summarize(rows, ["kv", "oracle"])
+    assert s["kv"]["kinds"] == {"city": [1, 1, 1], "job": [1, 3, 2]}
+    assert s["oracle"]["kinds"] == {"city": [1, 1, 0], "job": [2, 3, 0]}
+    lines = b.kinds_table({"summary": s, "rows": rows}).splitlines()
+    assert lines[0] == "| kind of fact | kv | oracle |"
+    assert lines[2:] == ["| city | 1/1 (1) | 1/1 |", "| job | 1/3 (2) | 2/3 |"]      # the oracle recalls nothing
+    assert b.kinds_table({"summary": s, "rows": rows}) in b.table({"summary": s, "rows": rows})
 
 
 def test_probes_are_distinct_kinds_with_corrections_after_first_tellings():
@@ -142,6 +159,9 @@ def test_a_tiny_run_end_to_end(tmp_path):
     res = json.loads(next((tmp_path / "a").glob("chat-recall-2-*.json")).read_text())
     assert res["seed"] == 5 and res["probes"] == 2 and set(res["summary"]) >= set(b.CONDITIONS)
     assert res["summary"]["none"]["evidence_recalled"] == 0 and res["summary"]["kv-user"]["evidence_recalled"] > 0
+    kinds = res["summary"]["kv-user"]["kinds"]                # right answers by kind of fact, printed and kept
+    assert set(kinds) == {x["kind"] for x in res["rows"]} and sum(n for _, n, _ in kinds.values()) == res["probes"]
+    assert "| kind of fact | " in r.stdout
     # the states its replies saved are gone: the next run starts from the histories alone
     assert res["question_states_removed"] >= res["probes"] * len(b.CONDITIONS)
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
