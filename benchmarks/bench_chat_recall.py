@@ -22,6 +22,9 @@ Conditions, side by side on the same histories and questions:
     kv-user-end     ... grafted as KV and closed with <|im_end|>
     oracle          the fact as the user last told it, quoted as text (the model's ceiling); oracle-open:
                     as a recalled turn opening the new message reads (the day: the run's)
+    plain-user      text-user's recalled turns and words, computed as a text-RAG user would: one prefill
+                    from nothing and a greedy decode with the model alone, no store, nothing saved (text-user
+                    and the others save their window before the first token); plain-exchange: text-exchange's
 
 Variants of a kv condition are named by suffixes: -system (the turns deposited and grafted in the
 "system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
@@ -260,12 +263,12 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
-    m = re.fullmatch(r"(none|oracle|text|kv)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
+    m = re.fullmatch(r"(none|oracle|text|kv|plain)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
                      r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-additive|-noadditive)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
-                         "(text|kv)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
+                         "(text|kv|plain)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after][-content|-held|-allwords]"
                          f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense][-additive|-noadditive] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     keep = m.group(2) or "exchange"
@@ -366,8 +369,11 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
     from kvmemory.chat_memory import window
     window.QUOTE_END = "\n" if cond["nl"] else ""
     try:
-        text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False,
-                            k=cond["k"] or window.RECALL_TURNS)
+        if base == "plain":
+            text, st = plain_reply(mem, cm, msgs, args.answer_tokens, cond["k"] or window.RECALL_TURNS)
+        else:
+            text, st = cm.reply(msgs, session="ask", max_new_tokens=args.answer_tokens, as_=base, remember=False,
+                                k=cond["k"] or window.RECALL_TURNS)
     finally:
         window.QUOTE_END = ""
     shown = [m["content"] for h in st.get("recalled", []) for m in _messages(h["text"])]
@@ -381,6 +387,39 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
             "ttft_s": st["ttft_s"], "restored": st.get("tokens_restored", 0), "recalled": len(st.get("recalled", [])),
             "recalled_tokens": sum(r["tokens"] for r in st.get("recalled", [])),
             "found": all(any(v in r["text"] for r in st.get("recalled", [])) for v in values(p))}
+
+
+def plain_reply(mem, cm, msgs: list[dict], max_new_tokens: int, k: int) -> tuple[str, dict]:
+    """What a text-RAG user pays for quoting the same turns: cm's recall, the turns opening the new message as
+    text-user quotes them there, one prefill from nothing and a greedy decode with the model alone (no store,
+    no state saved, no guard). -> (reply, stats as ChatMemory.reply gives them: ttft_s, recalled)."""
+    import torch
+
+    from kvmemory import kv as kvops
+    from kvmemory import prompts
+    from kvmemory.decode import eos_ids
+    from kvmemory.device import ids_tensor
+    model, tok = mem.model, mem.tokenizer
+    stop = eos_ids(tok, model)
+    t0 = time.perf_counter()
+    hits = cm.recall(msgs[-1]["content"], k=k, exclude_session="ask")
+    if hits:
+        msgs = msgs[:-1] + [{"role": "user", "content": "".join(h.text for h in hits) + msgs[-1]["content"]}]
+    ids = prompts.chat_ids(tok, msgs)
+    out: list[int] = []
+    with torch.inference_mode():
+        cache = kvops.make_cache(None, model.config)
+        logits = kvops.last_logits(model, ids_tensor(ids, model), cache)
+        ttft = None
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            if nxt in stop:
+                break
+            out.append(nxt)
+            logits = kvops.last_logits(model, ids_tensor([nxt], model), cache)
+    return tok.decode(out, skip_special_tokens=True).strip(), {
+        "ttft_s": ttft, "recalled": [{"text": h.text, "tokens": h.n_tokens} for h in hits]}
 
 
 def _messages(turn: str) -> list[dict]:
@@ -435,7 +474,7 @@ def run(args, seed: int) -> dict:
         raise SystemExit(f"--memories: {','.join(kept)!r} is not a list of {', '.join(MEMORIES)}")
     for c in conds:                                   # before any history is built
         cond = condition(c)
-        if cond["base"] in ("text", "kv") and cond["memory"] not in kept:
+        if cond["base"] in ("text", "kv", "plain") and cond["memory"] not in kept:
             raise SystemExit(f"--conditions: {c!r} needs the memory {cond['memory']!r}; the histories keep "
                              f"{', '.join(kept)} (--memories)")
     path, h = histories(args, seed)

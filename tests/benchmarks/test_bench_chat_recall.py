@@ -109,6 +109,7 @@ def test_no_additions_draws_an_earlier_results_probes_again():
 
 
 def test_condition_names():
+    assert b.condition("plain-user")["base"] == "plain" and b.condition("plain-user")["memory"] == "user"
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
                                                    "end": False, "recompute": 0.6, "guard": None, "inline": False,
                                                    "nl": False, "k": None, "cut": None, "cover": None,
@@ -167,7 +168,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert next((tmp_path / "a").glob("chat-recall-2-*.json")).with_suffix(".png").is_file()
     # the same histories again, other conditions: paired on the same conversations
     r = run_script(cmd + ["--seed", "6", "--conditions", "text-user,text-user-guard,kv-user-system-r1.0,kv-user-guard,"
-                          "kv-user-messages,text-user-messages,kv-user-inline", "--out",
+                          "kv-user-messages,text-user-messages,kv-user-inline,plain-user", "--out",
                           str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     again = json.loads(next((tmp_path / "b").glob("chat-recall-2-*.json")).read_text())
@@ -178,6 +179,10 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert again["summary"]["kv-user-messages"]["evidence_recalled"] > 0
     assert again["summary"]["paired_kv-user-messages/same-form"]["against"] == "text-user-messages"
     assert again["summary"]["kv-user-inline"]["evidence_recalled"] > 0
+    # plain-user: text-user's turns, computed from nothing by the model alone (nothing restored, the same recall)
+    for x in again["rows"]:
+        assert x["plain-user"]["restored"] == 0 and x["plain-user"]["ttft_s"] > 0
+        assert (x["plain-user"]["recalled"], x["plain-user"]["found"]) == (x["text-user"]["recalled"], x["text-user"]["found"])
     # text-user-guard quotes text-user's very window, and finds it saved: "restored" says so (its TTFT is a hit)
     assert all(x["text-user-guard"]["restored"] > x["text-user"]["restored"] for x in again["rows"])
 
