@@ -25,6 +25,8 @@ Conditions, side by side on the same histories and questions:
     plain-user      text-user's recalled turns and words, computed as a text-RAG user would: one prefill
                     from nothing and a greedy decode with the model alone, no store, nothing saved (text-user
                     and the others save their window before the first token); plain-exchange: text-exchange's
+                    turns the same way. Quoted where text-user quotes them by default, opening the new message:
+                    a plain condition takes no suffix that moves them (-system, -messages, -inline, -after)
 
 Variants of a kv condition are named by suffixes: -system (the turns deposited and grafted in the
 "system" layout: inside a system message of their own, as text quotes them), -head (the prelude the
@@ -271,6 +273,9 @@ def condition(c: str) -> dict:
                          "(text|kv|plain)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after][-content|-held|-allwords]"
                          f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense][-additive|-noadditive] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+    if m.group(1) == "plain" and (m.group(3) or m.group(8) or m.group(16) == "-after"):
+        raise SystemExit(f"--conditions: {c!r}: a plain condition quotes the turns opening the new message; it takes "
+                         "no -system, -messages, -inline or -after")
     keep = m.group(2) or "exchange"
     return {"base": m.group(1), "memory": keep + (m.group(3) or ""), "head": bool(m.group(4)),
             "end": bool(m.group(5)), "recompute": float(m.group(6)) if m.group(6) else None,

@@ -110,6 +110,9 @@ def test_no_additions_draws_an_earlier_results_probes_again():
 
 def test_condition_names():
     assert b.condition("plain-user")["base"] == "plain" and b.condition("plain-user")["memory"] == "user"
+    for moved in ("plain-user-system", "plain-user-inline", "plain-user-after"):
+        with pytest.raises(SystemExit, match="a plain condition quotes the turns opening the new message"):
+            b.condition(moved)
     assert b.condition("kv-user-system-r0.6") == {"base": "kv", "memory": "user-system", "head": False,
                                                    "end": False, "recompute": 0.6, "guard": None, "inline": False,
                                                    "nl": False, "k": None, "cut": None, "cover": None,
