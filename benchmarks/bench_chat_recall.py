@@ -88,7 +88,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qa import wilson  # noqa: E402
+from bench_qa import greedy, wilson  # noqa: E402
 from haystack import paragraphs  # noqa: E402
 from common import add_common_args, finish, plot, seed_of, write_json  # noqa: E402
 
@@ -396,35 +396,21 @@ def ask(mem, name: str, p: dict, c: str, args, replies: list[str]) -> dict:
 
 def plain_reply(mem, cm, msgs: list[dict], max_new_tokens: int, k: int) -> tuple[str, dict]:
     """What a text-RAG user pays for quoting the same turns: cm's recall, the turns opening the new message as
-    text-user quotes them there, one prefill from nothing and a greedy decode with the model alone (no store,
-    no state saved, no guard). -> (reply, stats as ChatMemory.reply gives them: ttft_s, recalled)."""
+    text-user quotes them there, then bench_qa's text baseline (a prefill from nothing and a greedy decode with
+    the model alone: no store, no state saved, no guard). -> (reply, stats as ChatMemory.reply gives them:
+    ttft_s from the recall on, recalled)."""
     import torch
 
-    from kvmemory import kv as kvops
     from kvmemory import prompts
-    from kvmemory.decode import eos_ids
-    from kvmemory.device import ids_tensor
-    model, tok = mem.model, mem.tokenizer
-    stop = eos_ids(tok, model)
     t0 = time.perf_counter()
     hits = cm.recall(msgs[-1]["content"], k=k, exclude_session="ask")
     if hits:
         msgs = msgs[:-1] + [{"role": "user", "content": "".join(h.text for h in hits) + msgs[-1]["content"]}]
-    ids = prompts.chat_ids(tok, msgs)
-    out: list[int] = []
+    ids = prompts.chat_ids(mem.tokenizer, msgs)
+    before = time.perf_counter() - t0
     with torch.inference_mode():
-        cache = kvops.make_cache(None, model.config)
-        logits = kvops.last_logits(model, ids_tensor(ids, model), cache)
-        ttft = None
-        for _ in range(max_new_tokens):
-            nxt = int(logits.argmax())
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            if nxt in stop:
-                break
-            out.append(nxt)
-            logits = kvops.last_logits(model, ids_tensor([nxt], model), cache)
-    return tok.decode(out, skip_special_tokens=True).strip(), {
-        "ttft_s": ttft, "recalled": [{"text": h.text, "tokens": h.n_tokens} for h in hits]}
+        text, ttft, _ = greedy(mem.model, mem.tokenizer, ids, max_new_tokens)
+    return text.strip(), {"ttft_s": before + ttft, "recalled": [{"text": h.text, "tokens": h.n_tokens} for h in hits]}
 
 
 def _messages(turn: str) -> list[dict]:
