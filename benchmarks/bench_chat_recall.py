@@ -55,7 +55,8 @@ under the cut as its update, or not: ChatMemory.newer), -supersede / -nosupersed
 same words of the question, the newest alone, or not: ChatMemory.supersede), -dense / -nodense (the dense
 ranking's best turn kept too, room permitting, or not: ChatMemory.dense), -additive / -noadditive (with
 supersede, a statement adding to what was told, "I also speak German", kept beside it, or not: ChatMemory.additive),
-e.g. kv-user-system-r0.6,
+-lead / -nolead (a first message's first recalled turn restored as stored where it sits as computed, or prefilled
+with the rest: ChatMemory.exact_lead), e.g. kv-user-system-r0.6,
 kv-user-cut0.75-nocover.
 --store DIR keeps the histories (the store and the probes) and reuses them: the conditions of several runs
 are then paired on the same conversations.
@@ -266,13 +267,13 @@ MEMORIES = {"exchange": ("", "exchange", "turns"), "user": ("#user", "user", "tu
 def condition(c: str) -> dict:
     """A condition's name -> {base, memory, end, recompute} (see the module's docstring)."""
     m = re.fullmatch(r"(none|oracle|text|kv|plain)(?:-(exchange|user))?(-system|-messages)?(-head)?(-end)?(?:-r([0-9.]+))?"
-                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-additive|-noadditive)?", c)
+                     r"(-guard|-noguard)?(-inline)?(-nl)?(?:-k([1-9][0-9]*))?(?:-cut([0-9.]+))?(-cover|-nocover)?(-rel|-time)?(-topic|-notopic)?(-first|-nofirst)?(-open|-after)?(-content|-held|-allwords)?(-newer|-nonewer)?(-supersede|-nosupersede)?(-dense|-nodense)?(-additive|-noadditive)?(-lead|-nolead)?", c)
     if (m is None or (m.group(3) and (m.group(2) or "exchange") + m.group(3) not in MEMORIES)
             or (m.group(11) and not 0.0 <= float(m.group(11)) <= 1.0)):
         raise SystemExit(f"--conditions: {c!r} is not none, oracle or "
                          "(text|kv|plain)-(exchange|user)[-system|-messages][-head][-end][-rF][-guard|-noguard][-inline][-nl][-kN]"
                          f"[-cutF][-cover|-nocover][-rel|-time][-topic|-notopic][-first|-nofirst][-open|-after][-content|-held|-allwords]"
-                         f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense][-additive|-noadditive] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
+                         f"[-newer|-nonewer][-supersede|-nosupersede][-dense|-nodense][-additive|-noadditive][-lead|-nolead] (F of -cut in [0, 1]; memories: {', '.join(MEMORIES)})")
     if m.group(1) == "plain" and (m.group(3) or m.group(8) or m.group(16) == "-after"):
         raise SystemExit(f"--conditions: {c!r}: a plain condition quotes the turns opening the new message; it takes "
                          "no -system, -messages, -inline or -after")
@@ -289,13 +290,14 @@ def condition(c: str) -> dict:
             "newer": {"-newer": True, "-nonewer": False}.get(m.group(18)),
             "supersede": {"-supersede": True, "-nosupersede": False}.get(m.group(19)),
             "dense": {"-dense": True, "-nodense": False}.get(m.group(20)),
-            "additive": {"-additive": True, "-noadditive": False}.get(m.group(21))}
+            "additive": {"-additive": True, "-noadditive": False}.get(m.group(21)),
+            "lead": {"-lead": True, "-nolead": False}.get(m.group(22))}
 
 
 # condition keys -> the ChatMemory attribute each sets for one reply (None in a condition: the default's)
 SETS = (("guard", "guard"), ("cut", "min_relevance"), ("cover", "cover"), ("order", "order"), ("topic", "on_topic"),
         ("first", "topic_first"), ("lexical", "lexical"), ("newer", "newer"),
-        ("supersede", "supersede"), ("dense", "dense"), ("additive", "additive"))
+        ("supersede", "supersede"), ("dense", "dense"), ("additive", "additive"), ("lead", "exact_lead"))
 
 
 def told(cms, session: str, text: str, max_new_tokens: int) -> str:

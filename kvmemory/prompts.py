@@ -48,6 +48,16 @@ def system_around(tokenizer, content: str, mark: str) -> tuple[str, str]:
     return head, tail
 
 
+def first_opening(tokenizer, mark: str) -> str:
+    """The chat-template text before a conversation's first user message (no system message given: the
+    template's own default, if it has one) and the message's opening: what a new conversation's first
+    message follows. `mark` stands for the message's content (it must come out once, as it is)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True)
+    if text.count(mark) != 1:
+        raise InputError("the chat template does not render a user message's content as it is")
+    return text.split(mark)[0]
+
+
 def split_at(tokenizer, system: str, user: str, mark: str) -> tuple[str, str]:
     """The chat-template text of [system, user] with the assistant's opening, cut at `mark` (which
     `user` holds once): (text before it, text after it)."""

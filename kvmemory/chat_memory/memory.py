@@ -46,6 +46,11 @@ USERS_DIR = "users"
 # window: the KV restored is the conversation's. (Grafted after the conversation, 2026-12-05: 0.3 best;
 # the scripted benchmark: 0 -> 57/200, 0.15 -> 63, 0.3 -> 71.)
 RECOMPUTE = 1.0
+# at RECOMPUTE 1.0, the first recalled turn's stored KV restored instead of prefilled where the window's
+# opening is the one it was computed behind (a new conversation's first message; window.lead): the same
+# tokens at the same positions, computed the canonical way (E1), so the window differs from the one
+# prefilling them by float rounding alone (prefilled in one pass there, block by block here)
+EXACT_LEAD = True
 
 
 def drop_forgotten_users(store, path) -> list[str]:
@@ -222,10 +227,13 @@ class ChatMemory:
             head, self.foot_text = prompts.system_around(rt.tokenizer, f"{HEADER} (memory {self.key}):\n" + mark,
                                                          mark)
         else:
-            # after a system note naming the user's key (the salt of every block), in a user turn;
-            # grafted alone, right after the conversation
-            head, _ = prompts.split_at(rt.tokenizer, f"{NOTE} (memory {self.key}).", mark, mark)
-            self.foot_text = ""
+            # in a user message opening a new conversation, as a first message with no system message of
+            # the client's reads (the template's default system prompt, if any): the turn recalled first
+            # into such a message sits where it was computed, its stored KV restored as it is
+            # (window.lead; EXACT_LEAD). The blocks are the user's own: the chain is salted by its key.
+            # (Before 2026-12-07 a system note naming the key: those turns are prefilled, as any turn the
+            # window's opening is not the one it was computed behind.)
+            head, self.foot_text = prompts.first_opening(rt.tokenizer, mark), ""
         # what sits around the recalled turns in a window: the prelude they were computed behind,
         # grafted as KV with them (no prefill), and a text prefilled after them
         self.graft_head = self.layout == "system"
@@ -266,6 +274,8 @@ class ChatMemory:
             recompute = RECOMPUTE if RECOMPUTE >= 1.0 or supported(rt.model) is None else 0.0
         self.recompute = recompute
         check_recompute(self.recompute)
+        # the first recalled turn restored where it sits as computed (EXACT_LEAD)
+        self.exact_lead = EXACT_LEAD
         self.scope = Scope(prefix=self.prefix, index_dir=f"{USERS_DIR}/{self.key}/index", layout=PromptLayout(),
                            label=f"{MEMORY_LABEL}{self.key}", head=head, owner=self.key)
 

@@ -6,8 +6,12 @@ same window). By default (ChatMemory.place "message"):
     [the user's most relevant earlier turns: grafted as KV, re-rotated to follow it]   (as="kv")
     [the new message's words and the assistant's opening: prefilled]
 
-The turns layout computed each turn behind a user message's opening: they sit where they were
-computed. ChatMemory.recompute of their tokens are recomputed there (1.0, the default: all of them).
+The turns layout computed each turn behind the opening of a new conversation's first message (the
+chat template's default system prompt, if any, and the user message's opening): they sit where they
+were computed. ChatMemory.recompute of their tokens are recomputed there (1.0, the default: all of
+them), but for the first turn of a first message (no system message of the client's): it sits at the
+very positions, behind the very tokens, it was computed at, so its stored KV is restored as it is
+(lead; ChatMemory.exact_lead) and only the turns after it and the message's words are prefilled.
 place "after": between the conversation and the new message; "system": a session's first message
 gets them inside its system message, where quoting puts them; a layout or template where "message"
 cannot apply grafts them after. as="text" quotes the same recalled turns where the place puts them
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemory import graft, kv as kvops, prompts
+from kvmemory import graft, hashing, kv as kvops, prompts
 from kvmemory.chat_memory.guard import Guard
 from kvmemory.chat_memory.turns import ORDERS, said
 from kvmemory.decode import TextStream, greedy
@@ -163,7 +167,12 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
         hits = _drop_least(hits)
     _fits(len(prefix_ids) + len(tail), max_new_tokens, limit)
     g = rt.geometry
-    if prefix_ids:
+    # the first turn restored as it is stored, where the window opens as it was computed behind (lead)
+    first = lead(rt, cm, prefix_ids, hits) if cm.recompute >= 1.0 and cm.exact_lead and inline is None \
+        and not cm.graft_head else None
+    if first is not None:           # the prefix is the user's prelude state: read, not saved again (the user's,
+        prefix_kv, cached, states = first.kv, len(prefix_ids), []      # not the session's: not listed as its)
+    elif prefix_ids:
         prefix = rt.save(prefix_ids, label=label, owner=owner)
         prefix_kv, cached, states = prefix.kv, prefix.reused_tokens, [prefix.id]
     else:
@@ -181,11 +190,18 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     rows = head + [r for h in hits for r in h.rows]
     if cm.recompute >= 1.0:
         # every recalled token recomputed (the default): prefilled after the conversation, their stored KV
-        # not read (the blend at r = 1 computes the same window, up to float rounding, at more cost)
+        # not read (the blend at r = 1 computes the same window, up to float rounding, at more cost); but
+        # the lead turn's, restored at the positions it was computed at (no re-rotation: its bytes as stored)
+        restored = 0
+        if first is not None:
+            lead_rows = list(hits[0].rows)
+            prefix_kv, restored, rerotated = graft.after(rt, prefix_kv, lead_rows)
+            assert rerotated == 0, "a lead turn sits where it was computed"
+            rows = rows[len(lead_rows):]
         done, n = graft.prefill_rows(rt, prefix_kv, rows, foot)
-        return Window(saved, done.cache, done.logits, cached, states, hits,
-                      _stats(hits, cached, n, 0, len(prefix_ids) - cached + len(foot), done.cache.get_seq_length(),
-                             recall_s, n))
+        return Window(saved, done.cache, done.logits, cached + restored, states, hits,
+                      _stats(hits, cached, restored + n, 0, len(prefix_ids) - cached + len(foot),
+                             done.cache.get_seq_length(), recall_s, n))
     kv, grafted, rerotated = graft.after(rt, prefix_kv, rows)
     # recompute the grafted turns' tokens that deviate most (CacheBlend), attending to the
     # conversation before them; the prefix stays exact. r: of the grafted tokens, not the window
@@ -199,6 +215,29 @@ def build(rt: Runtime, cm, messages: list[dict], session: str | None, max_new_to
     return Window(saved, cache, logits, cached + grafted - recomputed, states, hits,
                   _stats(hits, cached, grafted, rerotated, len(prefix_ids) - cached + len(foot), window, recall_s,
                          recomputed))
+
+
+def lead(rt: Runtime, cm, prefix_ids: list[int], hits: list):
+    """The user's stored prelude state where the window opens with it (prefix_ids are its very tokens) and the
+    first recalled turn was computed right behind it: every block of that turn follows the prelude's last
+    block (its id re-derives from the prelude's chain: computed after those tokens) at the positions it
+    holds in this window. Its stored KV is then the canonical computation of the window's first tokens
+    (E1): restored, not prefilled. None otherwise (nothing is saved here)."""
+    if not hits or not prefix_ids or list(cm.docs.prelude.ids) != list(prefix_ids):
+        return None
+    store = rt.store()
+    last = hashing.chain_ids(rt.fingerprint, prefix_ids, rt.block_tokens, parent=store.owner_root(cm.key))[-1]
+    row = store.row_of(last)
+    rows = list(hits[0].rows)
+    if row is None or not rows:
+        return None
+    meta = store.verified_meta(rows)             # each block's id re-derives from its parent's, tokens, positions
+    at, parent = len(prefix_ids), row
+    for i in range(len(rows)):
+        if int(meta["parent"][i]) != parent or int(meta["positions"][i][0]) != at:
+            return None
+        at, parent = at + int(meta["n_tokens"][i]), rows[i]
+    return cm.docs.prelude_state()[0]
 
 
 def _drop_least(hits: list) -> list:

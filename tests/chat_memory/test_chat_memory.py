@@ -684,3 +684,54 @@ def test_the_order_of_recalled_turns_time_or_the_most_relevant_last(mem):
     alice.order = "newest"
     with pytest.raises(kvmemory.InputError, match="order"):
         build(mem.rt, alice, msgs, "new", 8, "kv", k=2)
+
+
+def test_a_first_message_restores_the_first_recalled_turn_as_it_was_computed(mem, tiny, tmp_path):
+    """A new conversation's first message (no system message of the client's) opens as the turns layout
+    computed every turn behind: the first recalled turn sits where it was computed, and its stored KV is
+    restored as it is (the canonical computation of those tokens at those positions, bit for bit); the
+    turns after it and the message's words are prefilled. The window is the one prefilling them all up to
+    float rounding. With a system message, or later in a conversation, the opening differs: all prefilled."""
+    import torch
+
+    from kvmemory import kv as kvops
+    from kvmemory.chat_memory.window import build, opening_parts, split
+    alice = mem.chat_memory("alice")
+    alice.min_relevance, alice.on_topic = 0.0, False
+    alice.remember(exchange("My locker code is 4417.", "Noted."), "s1", when=100)
+    alice.remember(exchange("My locker is the blue one by the door.", "Nice."), "s2", when=200)
+    msgs = [{"role": "user", "content": "What is my locker code?"}]
+    assert alice.recompute == 1.0 and alice.exact_lead
+    w = build(mem.rt, alice, msgs, "new", 8, "kv", k=2, owner=alice.key)
+    assert len(w.hits) == 2 and w.states == []          # the prelude is the user's: no state of the session's
+    prefix, tail = split(mem.tokenizer, msgs)
+    opening, words = opening_parts(mem.tokenizer, tail)
+    P = len(prefix) + len(opening)
+    store = mem.require_store()
+    first, second = (store.token_ids(h.rows) for h in w.hits)
+    assert w.stats["tokens_restored"] == P + len(first) and w.stats["tokens_recomputed"] == len(second)
+    assert w.stats["tokens_grafted"] == len(first) + len(second) and w.stats["tokens_rerotated"] == 0
+    assert w.cache.get_seq_length() == P + len(first) + len(second) + len(words)
+    # the lead: bit for bit the computation that deposited those tokens (the prelude in one pass, the turn in
+    # one pass after it: both shorter than a block), computed here with the model alone
+    assert P + len(first) <= store.manifest.block_tokens
+    with torch.inference_mode():
+        out = mem.model(input_ids=torch.tensor([prefix + opening]), use_cache=True)
+        out = mem.model(input_ids=torch.tensor([first]), past_key_values=out.past_key_values, use_cache=True)
+    ref = kvops.cache_slice(out.past_key_values, 0, P + len(first))
+    got = kvops.cache_slice(w.cache, 0, P + len(first))
+    assert torch.equal(got, ref)
+    # the same window prefilled (the lead off): equal up to float rounding
+    alice.exact_lead = False
+    all_prefilled = build(mem.rt, alice, msgs, "new", 8, "kv", k=2, owner=alice.key)
+    assert all_prefilled.stats["tokens_recomputed"] == len(first) + len(second)
+    assert all_prefilled.stats["tokens_restored"] == P and all_prefilled.states
+    assert torch.allclose(w.logits, all_prefilled.logits, atol=1e-3)
+    alice.exact_lead = True
+    # another opening: a system message of the client's, or a later message of a conversation
+    for other in ([{"role": "system", "content": "Be brief."}] + msgs,
+                  [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}] + msgs):
+        build(mem.rt, alice, other, "new", 8, "kv", k=2, owner=alice.key)               # its prefix stored: restored next
+        o = build(mem.rt, alice, other, "new", 8, "kv", k=2, owner=alice.key)
+        assert o.stats["tokens_recomputed"] == len(first) + len(second)
+        assert o.stats["tokens_restored"] == len(split(mem.tokenizer, other)[0]) + len(opening)

@@ -42,8 +42,10 @@ def test_recall_across_sessions_isolation_and_forgetting(served):
     r = ask(client, "alice", "s2", "What is my locker code at the harbour gym?")
     m = r.model_extra["kvmemory"]
     assert m["user"] == "alice" and any("4417" in x["text"] and x["session"] == "s1" for x in m["recalled"])
-    # the default recomputes every recalled token in the window (RECOMPUTE 1.0): the prefix alone restored
-    assert m["tokens_grafted"] > 0 and m["tokens_recomputed"] == round(RECOMPUTE * m["tokens_grafted"])
+    # the default recomputes every recalled token in the window (RECOMPUTE 1.0) but, in a first message, the
+    # first turn's: it sits where it was computed, restored as stored (the lead, ChatMemory.exact_lead)
+    assert RECOMPUTE == 1.0 and m["tokens_grafted"] == sum(x["tokens"] for x in m["recalled"]) > 0
+    assert m["tokens_recomputed"] == m["tokens_grafted"] - m["recalled"][0]["tokens"]
     assert r.usage.prompt_tokens_details.cached_tokens == m["tokens_restored"] >= m["tokens_grafted"] - m["tokens_recomputed"]
     assert r.usage.prompt_tokens == m["window_tokens"]
     # streamed: the memory object rides on the chunk with finish_reason

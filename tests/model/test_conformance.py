@@ -242,12 +242,15 @@ def test_rerank_ask_chat_memory_compact_and_audit(family, family_dirs, tmp_path,
         got = cm.recall("What is my locker combination?", exclude_session="s9")
         assert got and "52917" in got[0].text
         # recalled as KV (the default: every recalled token prefilled after the restored conversation, no
-        # blend, so every family): the window quoting the same turns shows, up to float rounding
+        # blend, so every family; but a first message's first turn, restored as computed: the lead): the
+        # window quoting the same turns shows, up to float rounding
         from kvmemory.chat_memory.window import build
-        assert cm.recompute == 1.0
+        assert cm.recompute == 1.0 and cm.exact_lead
         ask_ = [{"role": "user", "content": "What is my locker combination?"}]
-        kv, text = build(mem.rt, cm, ask_, "s9", 3, "kv"), build(mem.rt, cm, ask_, "s9", 3, "text")
-        assert kv.hits and kv.stats["tokens_recomputed"] == kv.stats["tokens_grafted"] > 0
+        kv = build(mem.rt, cm, ask_, "s9", 3, "kv", owner=cm.key)
+        text = build(mem.rt, cm, ask_, "s9", 3, "text", owner=cm.key)
+        assert kv.hits and kv.stats["tokens_grafted"] == sum(h.n_tokens for h in kv.hits) > 0
+        assert kv.stats["tokens_recomputed"] == kv.stats["tokens_grafted"] - kv.hits[0].n_tokens    # the lead
         assert kv.cache.get_seq_length() == text.cache.get_seq_length()
         assert torch.allclose(kv.logits.float(), text.logits.float(), atol=1e-3)
         _, rows = mem.audit(3, seed=5)
