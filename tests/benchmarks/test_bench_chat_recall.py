@@ -118,12 +118,12 @@ def test_condition_names():
                                                    "nl": False, "k": None, "cut": None, "cover": None,
                                                    "order": None, "topic": None, "first": None, "place": None,
                                                    "lexical": None, "newer": None, "supersede": None,
-                                                   "dense": None, "additive": None}
+                                                   "dense": None, "additive": None, "lead": None}
     assert b.condition("kv-user-head-guard") == {"base": "kv", "memory": "user", "head": True, "end": False,
                                                  "recompute": None, "guard": True, "inline": False, "nl": False,
                                                  "k": None, "cut": None, "cover": None, "order": None,
                                                  "topic": None, "first": None, "place": None, "lexical": None,
-                                                 "newer": None, "supersede": None, "dense": None, "additive": None}
+                                                 "newer": None, "supersede": None, "dense": None, "additive": None, "lead": None}
     assert b.condition("kv-user-r0.0-cut0.75") == {**b.condition("kv-user-r0.0"), "cut": 0.75}
     assert b.condition("text-user-k1")["k"] == 1 and b.condition("kv-user-cut0")["cut"] == 0.0
     assert b.condition("kv-user-cut0.75-cover")["cover"] is True and b.condition("kv-user-cut0.75-nocover")["cover"] is False
@@ -140,6 +140,7 @@ def test_condition_names():
     assert b.condition("kv-user-supersede-dense")["dense"] is True and b.condition("text-user-nodense")["dense"] is False
     assert b.condition("kv-user-dense-additive")["additive"] is True
     assert b.condition("text-user-supersede-noadditive")["additive"] is False
+    assert b.condition("kv-user-additive-lead")["lead"] is True and b.condition("kv-user-nolead")["lead"] is False
     assert b.condition("kv-user-noguard")["guard"] is False and b.condition("kv-user-r0-guard")["guard"] is True
     assert b.condition("kv-user-system-r1.0-inline")["inline"] and b.condition("text-user-nl")["nl"]
     assert b.condition("kv-user-end")["end"] and not b.condition("kv-user-end")["head"]
@@ -147,7 +148,7 @@ def test_condition_names():
     assert b.condition("kv-user-messages-r0.3")["memory"] == "user-messages"
     for bad in ("kv-user-sideways", "kv-exchange-messages", "kv-user-cut1.5", "kv-user-k0", "kv-user-cover-cut0.5", "kv-user-rel-cover", "kv-user-topic-rel",
                 "kv-user-first-topic", "kv-user-newer-content", "kv-user-supersede-newer", "kv-user-dense-supersede",
-                "kv-user-additive-dense"):
+                "kv-user-additive-dense", "kv-user-nolead-additive"):
         with pytest.raises(SystemExit):
             b.condition(bad)
 
