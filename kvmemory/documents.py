@@ -289,12 +289,20 @@ class Documents:
                 self._save_index(kind, idx)
 
     # ------------------------------------------------------------------ deposit
+    def _prelude_last(self) -> bytes:
+        """The id of the prelude's last block. A scope with an owner has the owner's own prelude (a salted chain)."""
+        owner = self.scope.owner
+        root = hashing.ROOT_PARENT if owner is None else self.rt.store().owner_root(owner)
+        return hashing.chain_ids(self.rt.fingerprint, self.prelude.ids, self.rt.block_tokens, parent=root)[-1]
+
+    def prelude_row(self) -> int | None:
+        """The row of the stored prelude's last block; None where it is not stored (nothing is saved here)."""
+        return self.rt.store().row_of(self._prelude_last())
+
     def prelude_state(self):
         """The prelude as a stored state (saved on first use, then read back verified) and the row of
         its last block. A scope with an owner has the owner's own prelude (a salted chain)."""
-        rt, owner = self.rt, self.scope.owner
-        root = hashing.ROOT_PARENT if owner is None else rt.store().owner_root(owner)
-        last = hashing.chain_ids(rt.fingerprint, self.prelude.ids, rt.block_tokens, parent=root)[-1]
+        rt, owner, last = self.rt, self.scope.owner, self._prelude_last()
         sid = state_id_of(last, owner)
         if self._prelude is None or self._prelude.id != sid:
             rt.store().refresh()

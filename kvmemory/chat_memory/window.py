@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemory import graft, hashing, kv as kvops, prompts
+from kvmemory import graft, kv as kvops, prompts
 from kvmemory.chat_memory.guard import Guard
 from kvmemory.chat_memory.turns import ORDERS, said
 from kvmemory.decode import TextStream, greedy
@@ -225,13 +225,10 @@ def lead(rt: Runtime, cm, prefix_ids: list[int], hits: list):
     (E1): restored, not prefilled. None otherwise (nothing is saved here)."""
     if not hits or not prefix_ids or list(cm.docs.prelude.ids) != list(prefix_ids):
         return None
-    store = rt.store()
-    last = hashing.chain_ids(rt.fingerprint, prefix_ids, rt.block_tokens, parent=store.owner_root(cm.key))[-1]
-    row = store.row_of(last)
-    rows = list(hits[0].rows)
+    row, rows = cm.docs.prelude_row(), list(hits[0].rows)
     if row is None or not rows:
         return None
-    meta = store.verified_meta(rows)             # each block's id re-derives from its parent's, tokens, positions
+    meta = rt.store().verified_meta(rows)        # each block's id re-derives from its parent's, tokens, positions
     at, parent = len(prefix_ids), row
     for i in range(len(rows)):
         if int(meta["parent"][i]) != parent or int(meta["positions"][i][0]) != at:
